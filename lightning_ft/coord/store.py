@@ -1,0 +1,492 @@
+"""The coordination store: one small key-value contract, two implementations (DESIGN §3).
+
+`EtcdStore` talks to a real etcd v3 server through etcd-sdk-python (`import pyetcd`).
+`MemoryStore` is an in-process stand-in for unit tests. Both pass the same contract tests
+(tests/coord/test_store.py), so code written against `Store` behaves the same on either.
+
+Keys and values are `str` and `bytes`. Every mutation returns the store revision after it,
+and every read can be made at an older revision, which is what lets several leaders agree on
+one view of the member reports.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+class StoreError(RuntimeError):
+    """The store could not be reached or refused a request."""
+
+
+class LeaseExpired(StoreError):
+    """A lease is gone: it expired or was revoked. Keys bound to it are deleted."""
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change seen by a watch. `value` is empty for deletes (including lease expiry)."""
+
+    kind: str  # "put" | "delete"
+    key: str
+    value: bytes
+    revision: int
+
+
+WatchCallback = Callable[[Event], None]
+
+
+class Store(ABC):
+    """What coordination needs from etcd, and nothing more."""
+
+    @abstractmethod
+    def get(self, key: str) -> Optional[KV]:
+        """The current value of `key`, or None."""
+
+    @abstractmethod
+    def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[KV], int]:
+        """All keys under `prefix`, sorted by key, read at `revision` (0: now).
+
+        Returns the KVs and the revision the read was made at."""
+
+    @abstractmethod
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Write `key`; returns the new revision."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete `key`; True if it existed."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under `prefix`; returns how many."""
+
+    @abstractmethod
+    def cas(self, key: str, expected_mod_revision: int, value: bytes, lease: int = 0) -> bool:
+        """Write `key` only if its mod revision is `expected_mod_revision` (0: key absent)."""
+
+    def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        """Create-if-absent; True if this call created the key."""
+        return self.cas(key, 0, value, lease)
+
+    @abstractmethod
+    def lease_grant(self, ttl_s: float) -> int:
+        """A new lease id that expires `ttl_s` seconds after its last keepalive."""
+
+    @abstractmethod
+    def lease_keepalive(self, lease_id: int) -> None:
+        """Refresh the lease; raises LeaseExpired if it is already gone."""
+
+    @abstractmethod
+    def lease_revoke(self, lease_id: int) -> None:
+        """End the lease now and delete its keys (no error if already gone)."""
+
+    @abstractmethod
+    def watch_prefix(self, prefix: str, callback: WatchCallback, start_revision: int = 0) -> Callable[[], None]:
+        """Call `callback(event)` for every change under `prefix` after `start_revision`
+        (0: from now). Returns a function that cancels the watch."""
+
+    @abstractmethod
+    def revision(self) -> int:
+        """The current store revision."""
+
+    def close(self) -> None:
+        """Release connections and threads."""
+
+
+# ---------------------------------------------------------------------------------------------
+# MemoryStore
+# ---------------------------------------------------------------------------------------------
+
+
+class MemoryStore(Store):
+    """A thread-safe in-memory store with etcd's semantics (revisions, leases, watches).
+
+    For unit tests only: it lives in one process. It keeps full history so reads at an old
+    revision work, and a reaper thread expires leases and emits delete events."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._rev = 1
+        self._history: dict[str, list[tuple[int, Optional[KV]]]] = {}  # key -> [(rev, kv|None)]
+        self._leases: dict[int, tuple[float, float]] = {}  # id -> (ttl, deadline)
+        self._lease_ids = itertools.count(0x1000)
+        self._watches: dict[int, tuple[str, WatchCallback]] = {}
+        self._watch_ids = itertools.count(1)
+        self._pending: list[tuple[WatchCallback, Event]] = []
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="memstore-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _current(self, key: str, rev: int = 0) -> Optional[KV]:
+        hist = self._history.get(key)
+        if not hist:
+            return None
+        if rev <= 0:
+            return hist[-1][1]
+        i = bisect.bisect_right([r for r, _ in hist], rev) - 1
+        return hist[i][1] if i >= 0 else None
+
+    def _write(self, key: str, value: Optional[bytes], lease: int = 0) -> int:
+        """Apply one mutation under the lock; queue watch events; return the new revision."""
+        self._rev += 1
+        if value is None:
+            kv = None
+            event = Event("delete", key, b"", self._rev)
+        else:
+            prev = self._current(key)
+            create = prev.create_revision if prev is not None else self._rev
+            kv = KV(key, bytes(value), create, self._rev, lease)
+            event = Event("put", key, kv.value, self._rev)
+        self._history.setdefault(key, []).append((self._rev, kv))
+        for prefix, cb in list(self._watches.values()):
+            if key.startswith(prefix):
+                self._pending.append((cb, event))
+        return self._rev
+
+    def _flush(self) -> None:
+        """Deliver queued watch events outside the lock, in order."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                batch, self._pending = self._pending, []
+            for cb, ev in batch:
+                try:
+                    cb(ev)
+                except Exception:  # a watcher's bug must not break the store
+                    log.exception("watch callback failed")
+
+    def _expire_lease(self, lease_id: int) -> None:
+        self._leases.pop(lease_id, None)
+        for key, hist in self._history.items():
+            kv = hist[-1][1]
+            if kv is not None and kv.lease == lease_id:
+                self._write(key, None)
+
+    def _reap(self) -> None:
+        while not self._closed.wait(0.02):
+            now = time.monotonic()
+            with self._lock:
+                for lid, (_, deadline) in list(self._leases.items()):
+                    if deadline <= now:
+                        self._expire_lease(lid)
+            self._flush()
+
+    def _check_lease(self, lease: int) -> None:
+        if lease and lease not in self._leases:
+            raise LeaseExpired(f"lease {lease:x} does not exist (expired or revoked)")
+
+    # -- Store --------------------------------------------------------------------------------
+    def get(self, key: str) -> Optional[KV]:
+        with self._lock:
+            return self._current(key)
+
+    def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[KV], int]:
+        with self._lock:
+            rev = revision or self._rev
+            out = [kv for k in sorted(self._history) if k.startswith(prefix)
+                   for kv in [self._current(k, rev)] if kv is not None]
+            return out, rev
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        with self._lock:
+            self._check_lease(lease)
+            rev = self._write(key, value, lease)
+        self._flush()
+        return rev
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            existed = self._current(key) is not None
+            if existed:
+                self._write(key, None)
+        self._flush()
+        return existed
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._lock:
+            keys = [k for k, h in self._history.items() if k.startswith(prefix) and h[-1][1] is not None]
+            for k in keys:
+                self._write(k, None)
+        self._flush()
+        return len(keys)
+
+    def cas(self, key: str, expected_mod_revision: int, value: bytes, lease: int = 0) -> bool:
+        with self._lock:
+            self._check_lease(lease)
+            cur = self._current(key)
+            if (cur.mod_revision if cur is not None else 0) != expected_mod_revision:
+                return False
+            self._write(key, value, lease)
+        self._flush()
+        return True
+
+    def lease_grant(self, ttl_s: float) -> int:
+        with self._lock:
+            lid = next(self._lease_ids)
+            self._leases[lid] = (ttl_s, time.monotonic() + ttl_s)
+            return lid
+
+    def lease_keepalive(self, lease_id: int) -> None:
+        with self._lock:
+            if lease_id not in self._leases:
+                raise LeaseExpired(f"lease {lease_id:x} expired or was revoked")
+            ttl, _ = self._leases[lease_id]
+            self._leases[lease_id] = (ttl, time.monotonic() + ttl)
+
+    def lease_revoke(self, lease_id: int) -> None:
+        with self._lock:
+            if lease_id in self._leases:
+                self._expire_lease(lease_id)
+        self._flush()
+
+    def watch_prefix(self, prefix: str, callback: WatchCallback, start_revision: int = 0) -> Callable[[], None]:
+        with self._lock:
+            wid = next(self._watch_ids)
+            self._watches[wid] = (prefix, callback)
+            if start_revision:
+                replay = []
+                for k, hist in self._history.items():
+                    if not k.startswith(prefix):
+                        continue
+                    for rev, kv in hist:
+                        if rev >= start_revision:
+                            replay.append((rev, Event("put", k, kv.value, rev) if kv else Event("delete", k, b"", rev)))
+                self._pending.extend((callback, ev) for _, ev in sorted(replay, key=lambda t: t[0]))
+        self._flush()
+
+        def cancel() -> None:
+            with self._lock:
+                self._watches.pop(wid, None)
+
+        return cancel
+
+    def revision(self) -> int:
+        with self._lock:
+            return self._rev
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+# ---------------------------------------------------------------------------------------------
+# EtcdStore
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' (or 'http://host:port') -> (host, port)."""
+    ep = endpoint.split("://", 1)[-1].rstrip("/")
+    host, sep, port = ep.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
+    return host or "127.0.0.1", int(port)
+
+
+class EtcdStore(Store):
+    """The Store contract over a real etcd v3 server.
+
+    Every RPC has a deadline (`rpc_timeout_s`). Connecting retries for `connect_timeout_s`
+    and then raises StoreError naming the endpoint, so an unreachable etcd never hangs.
+    Watches survive an etcd restart: they are re-created from the last revision seen."""
+
+    def __init__(self, endpoint: str, connect_timeout_s: float = 10.0, rpc_timeout_s: float = 5.0,
+                 retry_s: float = 5.0) -> None:
+        import pyetcd
+
+        self.endpoint = endpoint
+        host, port = parse_endpoint(endpoint)
+        self._rpc_timeout = rpc_timeout_s
+        self._retry_s = retry_s
+        self._client = pyetcd.client(host=host, port=port, timeout=rpc_timeout_s)
+        for ep in self._client.endpoints.values():
+            ep.time_retry = 0.0  # pyetcd would refuse a restarted server for 300 s
+        self._tx = self._client.transactions
+        self._closed = False
+        self._watch_lock = threading.Lock()
+        self._watches: dict[int, _EtcdWatch] = {}
+        self._watch_ids = itertools.count(1)
+        retry, self._retry_s = self._retry_s, connect_timeout_s
+        try:
+            self._call("status", self._client.status)
+        except StoreError as e:
+            self._client.close()
+            raise StoreError(
+                f"etcd at {endpoint} is unreachable after {connect_timeout_s:.1f}s ({e.__cause__!r}). "
+                "Start one with `lightning-ft etcd` or pass a reachable --etcd host:port."
+            ) from e
+        self._retry_s = retry
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """Run one RPC. Connection failures (an etcd restart, say) are retried for
+        `retry_s`; a missing lease becomes LeaseExpired; anything else a StoreError."""
+        from pyetcd import exceptions as etcd_exc
+
+        deadline = time.monotonic() + self._retry_s
+        delay = 0.02
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                text = f"{e} {e!r}"
+                if "lease not found" in text:
+                    raise LeaseExpired(f"etcd {what}: lease expired or was revoked") from e
+                transient = isinstance(e, (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)) or (
+                    isinstance(e, ValueError) and "failed node" in text)
+                if self._closed or not transient or time.monotonic() + delay > deadline:
+                    raise StoreError(f"etcd {what} failed at {self.endpoint}: {type(e).__name__}: {e}") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+
+    @staticmethod
+    def _kv(raw) -> KV:
+        return KV(raw.key.decode(), bytes(raw.value), raw.create_revision, raw.mod_revision, raw.lease)
+
+    def get(self, key: str) -> Optional[KV]:
+        resp = self._call("get", self._client.get_response, key)
+        return self._kv(resp.kvs[0]) if resp.count else None
+
+    def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[KV], int]:
+        kwargs = {"sort_order": "ascend", "sort_target": "key"}
+        if revision:
+            kwargs["revision"] = revision
+        resp = self._call("get_prefix", self._client.get_prefix_response, prefix, **kwargs)
+        return [self._kv(kv) for kv in resp.kvs], (revision or resp.header.revision)
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        return self._call(f"put {key}", self._client.put, key, value, lease=lease or None).header.revision
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call("delete", self._client.delete, key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self._call("delete_prefix", self._client.delete_prefix, prefix).deleted
+
+    def cas(self, key: str, expected_mod_revision: int, value: bytes, lease: int = 0) -> bool:
+        cmp = self._tx.mod(key) == expected_mod_revision
+        ok, _ = self._call(f"cas {key}", self._client.transaction, compare=[cmp],
+                           success=[self._tx.put(key, value, lease=lease or None)], failure=[])
+        return bool(ok)
+
+    def lease_grant(self, ttl_s: float) -> int:
+        # etcd leases have whole-second TTLs and a server-side minimum; round up.
+        ttl = max(1, int(-(-ttl_s // 1)))
+        return self._call("lease_grant", self._client.lease, ttl).id
+
+    def lease_keepalive(self, lease_id: int) -> None:
+        responses = self._call("lease_keepalive", lambda: list(self._client.refresh_lease(lease_id)))
+        if not responses or responses[0].TTL <= 0:
+            raise LeaseExpired(f"lease {lease_id:x} expired or was revoked")
+
+    def lease_revoke(self, lease_id: int) -> None:
+        try:
+            self._call("lease_revoke", self._client.revoke_lease, lease_id)
+        except LeaseExpired:
+            pass
+
+    def watch_prefix(self, prefix: str, callback: WatchCallback, start_revision: int = 0) -> Callable[[], None]:
+        w = _EtcdWatch(self, prefix, callback, start_revision or self.revision() + 1)
+        with self._watch_lock:
+            wid = next(self._watch_ids)
+            self._watches[wid] = w
+        w.start()
+
+        def cancel() -> None:
+            with self._watch_lock:
+                self._watches.pop(wid, None)
+            w.cancel()
+
+        return cancel
+
+    def revision(self) -> int:
+        return self._call("status", self._client.get_response, "\0").header.revision
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._watch_lock:
+            watches, self._watches = list(self._watches.values()), {}
+        for w in watches:
+            w.cancel()
+        try:
+            self._client.close()
+        except Exception:
+            pass
+
+
+class _EtcdWatch:
+    """One prefix watch that re-creates itself after a dropped stream (e.g. etcd restart)."""
+
+    def __init__(self, store: EtcdStore, prefix: str, callback: WatchCallback, start_revision: int) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._callback = callback
+        self._next_rev = start_revision
+        self._watch_id: Optional[int] = None
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._establish(first=True)
+
+    def _establish(self, first: bool = False) -> None:
+        delay = 0.05
+        while not self._cancelled.is_set():
+            try:
+                wid = self._store._client.add_watch_prefix_callback(
+                    self._prefix, self._on_response, start_revision=self._next_rev)
+                with self._lock:
+                    self._watch_id = wid
+                return
+            except Exception as e:
+                if first:
+                    raise StoreError(f"etcd watch on {self._prefix} failed at {self._store.endpoint}: {e}") from e
+                if self._cancelled.wait(delay):
+                    return
+                delay = min(delay * 2, 0.5)
+
+    def _on_response(self, resp) -> None:
+        if self._cancelled.is_set():
+            return
+        if isinstance(resp, Exception) or resp is None:
+            # The stream broke (server restart, network). Re-watch from the next revision in
+            # a fresh thread: this callback runs on the dying stream's thread.
+            threading.Thread(target=self._establish, name="etcd-rewatch", daemon=True).start()
+            return
+        for ev in resp.events:
+            kind = "delete" if type(ev).__name__ == "DeleteEvent" else "put"
+            rev = ev.mod_revision or resp.header.revision
+            self._next_rev = max(self._next_rev, rev + 1)
+            try:
+                self._callback(Event(kind, ev.key.decode(), bytes(ev.value) if kind == "put" else b"", rev))
+            except Exception:
+                log.exception("watch callback failed")
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._lock:
+            wid, self._watch_id = self._watch_id, None
+        if wid is not None:
+            try:
+                self._store._client.cancel_watch(wid)
+            except Exception:
+                pass
