@@ -1,0 +1,472 @@
+"""Configuration of a lightning-ft job: omegaconf structured configs and override parsing (DESIGN §10).
+
+Every knob is a field of a small dataclass with a docstring right below it; `configs/default.yaml`
+lists the same keys with their defaults. A config is built in three layers:
+
+    cfg = load_config("configs/my_job.yaml", ["replicas=4", "ftar.num_chunks=8"])
+
+1. the dataclass defaults (`OmegaConf.structured(FTConfig)`),
+2. a YAML file, which may contain only known keys,
+3. Hydra-style overrides `a.b=c`, whose values are parsed as YAML (`failure.kinds=[kill,hang]`),
+
+and then `validate` checks enum-like strings and ranges. Every mistake raises `ConfigError`, which
+names the dotted key, the value given and what is allowed, e.g.
+`unknown config key 'ftar.chunk_mbb'; ftar has: transport, chunk_bytes, ... (did you mean 'chunk_bytes'?)`.
+
+Keys and types are checked here, against the dataclass type hints, rather than left to omegaconf:
+omegaconf reports keys inside lists relative to the list item, and 2.3 does not know `Literal`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence, cast
+
+import yaml
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+LR_INTERVENTIONS = ("none", "linear", "sqrt")
+"""How the learning rate follows the fraction x = contributors / R of healthy replicas (DESIGN §5)."""
+TRANSPORTS = ("tcp", "rdma")
+"""FTAR transports (DESIGN §4)."""
+FAILURE_KINDS = ("kill", "hang", "exception")
+"""Injected failures: SIGKILL the replica, stop making progress, or raise inside the training step."""
+
+_OVERRIDE_RE = re.compile(r"^[A-Za-z_][\w.]*=")
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or holds a value out of range.
+
+    `key` is the dotted key of the (first) problem, or None when the problem is not about one key.
+    """
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+# --------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EtcdConfig:
+    """Coordination store (DESIGN §3)."""
+
+    endpoint: str = ""
+    """etcd address "host:port"; "" = the launcher starts an embedded etcd on loopback."""
+    lease_ttl_s: float = 3.0
+    """TTL of each replica leader's lease; a replica that stops keeping it alive is dropped after this."""
+    hang_timeout_s: float = 30.0
+    """A training loop that makes no progress for this long stops the lease keepalive, so it expires."""
+    connect_timeout_s: float = 10.0
+    """Give up (with an error) when etcd stays unreachable this long; retries in between are bounded."""
+    prefix: str = "/lft"
+    """Root of the keyspace; a job's keys live under {prefix}/{job}/."""
+
+
+@dataclass
+class QuorumConfig:
+    """Quorum formation (DESIGN §3)."""
+
+    init_timeout_s: float = 10.0
+    """The first round waits this long for all R replicas, then starts with >= min_replicas."""
+    poll_interval_s: float = 0.05
+    """How often a waiting leader re-checks the member reports when no watch event arrives."""
+
+
+@dataclass
+class FTARConfig:
+    """Fault-tolerant ring all-reduce across replicas (DESIGN §4)."""
+
+    transport: str = "tcp"
+    """Transport between ring neighbours: "tcp" or "rdma" (pyverbs RC QPs)."""
+    chunk_bytes: int = 4 * 1024 * 1024
+    """S: bytes per chunk; S * C bytes of sendbuf/recvbuf are allocated once at init."""
+    num_chunks: int = 4
+    """C: chunks pipelined per ring step; at most S * C bytes are in flight per peer."""
+    timeout_s: float = 5.0
+    """A peer silent this long during an all-reduce is declared failed (RecoverableError)."""
+    connect_timeout_s: float = 5.0
+    """Deadline for connecting and handshaking with a new ring neighbour after a reconfigure."""
+    num_programs: int = 2
+    """Triton grid size (persistent programs) of the reduce/copy kernels on GPU."""
+    bind_host: str = "127.0.0.1"
+    """Address the FTAR listener binds to and advertises to peers; use a routable one across nodes."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Persistent sharded checkpoints for whole-job restarts (DESIGN §8)."""
+
+    every_n_steps: int = 100
+    """Write a checkpoint every this many committed steps; 0 = never."""
+    dir: str = ""
+    """Checkpoint directory; "" = {run_dir}/checkpoints (see `checkpoint_dir`)."""
+    keep: int = 3
+    """K: keep this many newest checkpoints and prune older ones."""
+
+
+@dataclass
+class FailureEvent:
+    """One scheduled failure injection."""
+
+    replica: int = MISSING
+    """Replica id (0 <= replica < R) to fail; required."""
+    step: int = MISSING
+    """Fail when this replica reaches this step; required."""
+    kind: str = "kill"
+    """How it fails: "kill" (SIGKILL), "hang" (stops making progress) or "exception" (raises)."""
+    downtime_steps: int = 0
+    """Keep the replica down until the others advance this many steps; 0 = restart after restart_delay_s."""
+
+
+@dataclass
+class FailureConfig:
+    """Failure-injection schedule, for tests and demos (DESIGN §9)."""
+
+    events: list[FailureEvent] = field(default_factory=list)
+    """Scheduled failures, e.g. [{replica: 1, step: 50, kind: kill}]."""
+    mtbf_steps: float = 0.0
+    """Random failures across the job with this mean time between failures, in steps; 0 = off."""
+    kinds: list[str] = field(default_factory=lambda: ["kill"])
+    """Kinds the random failures are drawn from (kill, hang, exception)."""
+    restart_delay_s: float = 1.0
+    """The launcher waits this long before restarting a failed replica."""
+    seed: int = 0
+    """Seed of the random failure schedule (which replica, when, which kind)."""
+
+
+@dataclass
+class FTConfig:
+    """A fault-tolerant HSDP job: R replicas of W ranks each (DESIGN §1)."""
+
+    job: str = "lft"
+    """Job id; names the etcd keyspace and is checked in every FTAR handshake."""
+    replicas: int = 3
+    """R: number of replicas, each a full copy of model and optimizer state."""
+    nproc_per_replica: int = 1
+    """W: ranks per replica; FSDP2 shards the model over them."""
+    min_replicas: int = 1
+    """Training waits (and says why) while fewer replicas than this are healthy."""
+    secret: str = ""
+    """Job secret for FTAR and catch-up authentication; "" = generated by the launcher / env LFT_SECRET."""
+    lr_intervention: str = "sqrt"
+    """LR factor f(x), x = contributors / R: "none" (1), "linear" (x) or "sqrt" (sqrt(x))."""
+    run_dir: str = "runs/latest"
+    """Directory for events.jsonl, cursors, logs and (by default) checkpoints."""
+    seed: int = 0
+    """Seed of the training run (model init, data order)."""
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    """Coordination store."""
+    quorum: QuorumConfig = field(default_factory=QuorumConfig)
+    """Quorum formation."""
+    ftar: FTARConfig = field(default_factory=FTARConfig)
+    """Cross-replica fault-tolerant all-reduce."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Persistent checkpoints."""
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    """Failure injection."""
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and overrides
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> FTConfig:
+    """Defaults, then the YAML file at `path` (known keys only), then `overrides`; validated.
+
+    Returns a typed omegaconf DictConfig: assignments to it are still type-checked.
+    """
+    cfg = OmegaConf.structured(FTConfig)
+    if path is not None:
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if raw is None:
+            raw = {}
+        try:
+            data = _coerce(raw, FTConfig, "")
+            cfg = OmegaConf.merge(cfg, data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}", e.key) from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{path}: {_first_line(e)}") from None
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cast(FTConfig, cfg)
+
+
+def parse_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split a command line into (overrides `a.b=c`, other args), each in its original order."""
+    overrides: list[str] = []
+    rest: list[str] = []
+    for arg in args:
+        (overrides if _OVERRIDE_RE.match(arg) else rest).append(arg)
+    return overrides, rest
+
+
+def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
+    """Apply Hydra-style `a.b=c` overrides to `cfg` in place and return it.
+
+    Values are parsed as YAML (`[kill,hang]`, `{replica: 1, step: 5}`, `1e-3`); string fields take
+    the text as written, so `etcd.endpoint=10.0.0.1:2379` stays a string. Keys and types are checked;
+    ranges are not (that is `validate`, which `load_config` runs after all overrides).
+    """
+    for item in overrides:
+        if not _OVERRIDE_RE.match(item):
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. replicas=4)")
+        key, text = item.split("=", 1)
+        tp = _resolve_key(cfg, key)
+        value = _coerce(_parse_value(text, tp), tp, key)
+        try:
+            OmegaConf.update(cfg, key, value, merge=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"cannot set {key}={text}: {_first_line(e)}", key) from None
+    return cfg
+
+
+def to_yaml(cfg: Any, *, redact_secret: bool = True) -> str:
+    """The config as YAML, e.g. to save next to a run; a non-empty secret is shown as "***"."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    if redact_secret and cfg.secret:
+        cfg = OmegaConf.merge(cfg, {"secret": "***"})
+    return OmegaConf.to_yaml(cfg)
+
+
+def fingerprint(cfg: Any) -> dict[str, Any]:
+    """The fields every replica of a job must agree on; a joiner whose values differ is refused."""
+    return {
+        "job": str(cfg.job),
+        "replicas": int(cfg.replicas),
+        "nproc_per_replica": int(cfg.nproc_per_replica),
+        "min_replicas": int(cfg.min_replicas),
+    }
+
+
+def checkpoint_dir(cfg: Any) -> str:
+    """`checkpoint.dir`, or {run_dir}/checkpoints when it is empty."""
+    return str(cfg.checkpoint.dir) or os.path.join(str(cfg.run_dir), "checkpoints")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (ranges and enum-like strings)
+# --------------------------------------------------------------------------------------------
+
+
+def validate(cfg: Any) -> None:
+    """Check enum-like strings and ranges; raise one ConfigError listing every problem."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    problems: list[tuple[str, str]] = []
+
+    def bad(key: str, value: Any, allowed: str) -> None:
+        problems.append((key, f"{key}={value!r}: {allowed}"))
+
+    def choice(key: str, value: Any, allowed: Sequence[str]) -> None:
+        if value not in allowed:
+            bad(key, value, "allowed values are " + ", ".join(repr(a) for a in allowed))
+
+    def at_least(key: str, value: Any, low: float, strict: bool = False) -> None:
+        if value < low or (strict and value == low):
+            bad(key, value, f"must be {'>' if strict else '>='} {low}")
+
+    if not _JOB_RE.match(cfg.job):
+        bad("job", cfg.job, "must be non-empty letters, digits, '_', '.' or '-' (it names etcd keys)")
+    at_least("replicas", cfg.replicas, 1)
+    at_least("nproc_per_replica", cfg.nproc_per_replica, 1)
+    if not 1 <= cfg.min_replicas <= max(cfg.replicas, 1):
+        bad("min_replicas", cfg.min_replicas, f"must be between 1 and replicas ({cfg.replicas})")
+    choice("lr_intervention", cfg.lr_intervention, LR_INTERVENTIONS)
+    if not cfg.run_dir:
+        bad("run_dir", cfg.run_dir, "must be a directory path")
+    at_least("seed", cfg.seed, 0)
+
+    e = cfg.etcd
+    if e.endpoint and not _is_host_port(e.endpoint):
+        bad("etcd.endpoint", e.endpoint, 'must be "" (embedded etcd) or "host:port"')
+    at_least("etcd.lease_ttl_s", e.lease_ttl_s, 0, strict=True)
+    at_least("etcd.hang_timeout_s", e.hang_timeout_s, 0, strict=True)
+    at_least("etcd.connect_timeout_s", e.connect_timeout_s, 0, strict=True)
+    if not e.prefix.startswith("/") or e.prefix.endswith("/"):
+        bad("etcd.prefix", e.prefix, "must start with '/' and not end with '/' (e.g. '/lft')")
+
+    at_least("quorum.init_timeout_s", cfg.quorum.init_timeout_s, 0)
+    at_least("quorum.poll_interval_s", cfg.quorum.poll_interval_s, 0, strict=True)
+
+    f = cfg.ftar
+    choice("ftar.transport", f.transport, TRANSPORTS)
+    at_least("ftar.chunk_bytes", f.chunk_bytes, 0, strict=True)
+    at_least("ftar.num_chunks", f.num_chunks, 1)
+    at_least("ftar.timeout_s", f.timeout_s, 0, strict=True)
+    at_least("ftar.connect_timeout_s", f.connect_timeout_s, 0, strict=True)
+    at_least("ftar.num_programs", f.num_programs, 1)
+    if not f.bind_host:
+        bad("ftar.bind_host", f.bind_host, "must be a host name or address")
+
+    at_least("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, 0)
+    at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+
+    fl = cfg.failure
+    for i, ev in enumerate(fl.events):
+        key = f"failure.events.{i}"
+        for name in ("replica", "step"):
+            if OmegaConf.is_missing(ev, name):
+                problems.append((f"{key}.{name}", f"{key}.{name} is required (no default)"))
+        if not OmegaConf.is_missing(ev, "replica") and not 0 <= ev.replica < cfg.replicas:
+            bad(f"{key}.replica", ev.replica, f"must be between 0 and replicas - 1 ({cfg.replicas - 1})")
+        if not OmegaConf.is_missing(ev, "step"):
+            at_least(f"{key}.step", ev.step, 0)
+        choice(f"{key}.kind", ev.kind, FAILURE_KINDS)
+        at_least(f"{key}.downtime_steps", ev.downtime_steps, 0)
+    at_least("failure.mtbf_steps", fl.mtbf_steps, 0)
+    for i, kind in enumerate(fl.kinds):
+        choice(f"failure.kinds.{i}", kind, FAILURE_KINDS)
+    if fl.mtbf_steps > 0 and not fl.kinds:
+        bad("failure.kinds", list(fl.kinds), "must name at least one kind when failure.mtbf_steps > 0")
+    at_least("failure.restart_delay_s", fl.restart_delay_s, 0)
+    at_least("failure.seed", fl.seed, 0)
+
+    if problems:
+        head = "invalid config: " if len(problems) == 1 else "invalid config:\n  "
+        raise ConfigError(head + "\n  ".join(msg for _, msg in problems), problems[0][0])
+
+
+# --------------------------------------------------------------------------------------------
+# Key and type checking against the dataclass type hints
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_key(cfg: Any, key: str) -> Any:
+    """The declared type at dotted `key` (list items by index), or ConfigError naming the key."""
+    tp: Any = FTConfig
+    node: Any = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        here = ".".join(parts[:i])
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                raise _unknown_key(".".join(parts[: i + 1]), here, list(hints), full_key=key)
+            tp = hints[part]
+        elif typing.get_origin(tp) is list:
+            if not part.isdigit():
+                raise ConfigError(f"config key {key!r}: {here} is a list; {part!r} is not an index", key)
+            if node is not None and int(part) >= len(node):
+                raise ConfigError(
+                    f"config key {key!r}: index {part} is out of range; {here} has {len(node)} item(s)", key
+                )
+            tp = typing.get_args(tp)[0]
+        else:
+            raise ConfigError(f"unknown config key {key!r}; {here} is a leaf ({_type_name(tp)}), not a group", key)
+        node = _child(node, part)
+    return tp
+
+
+def _child(node: Any, part: str) -> Any:
+    if isinstance(node, ListConfig):
+        return node._get_node(int(part))
+    if isinstance(node, DictConfig):
+        return node._get_node(part)
+    return None
+
+
+def _unknown_key(key: str, parent: str, allowed: list[str], full_key: str | None = None) -> ConfigError:
+    """`key` is the path down to the unknown field; `full_key` the whole key given, if longer."""
+    leaf = key.rsplit(".", 1)[-1]
+    where = parent if parent else "the top level"
+    full_key = full_key or key
+    msg = f"unknown config key {full_key!r}"
+    if full_key != key:
+        msg += f" ({where} has no {leaf!r})"
+    msg += f"; {where} has: {', '.join(allowed)}"
+    close = difflib.get_close_matches(leaf, allowed, n=1)
+    if close:
+        msg += f" (did you mean {close[0]!r}?)"
+    if ":" in leaf:
+        msg += " (in YAML flow mappings write 'key: value', with a space after the colon)"
+    return ConfigError(msg, full_key)
+
+
+def _parse_value(text: str, tp: Any) -> Any:
+    if tp is str:
+        # String fields keep the text as written (YAML would turn 1:30 into 90), minus quotes.
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            return yaml.safe_load(text)
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse value {text!r} as YAML: {e}") from None
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """`value` converted to `tp` (recursively), or ConfigError naming the key and expected type."""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _wrong_type(key, value, tp)
+        hints = typing.get_type_hints(tp)
+        out = {}
+        for k, v in value.items():
+            sub = f"{key}.{k}" if key else str(k)
+            if k not in hints:
+                raise _unknown_key(sub, key, list(hints))
+            out[k] = _coerce(v, hints[k], sub)
+        return out
+    if typing.get_origin(tp) is list:
+        if not isinstance(value, list):
+            raise _wrong_type(key, value, tp)
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}.{i}") for i, v in enumerate(value)]
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise _wrong_type(key, value, tp)
+
+
+def _wrong_type(key: str, value: Any, tp: Any) -> ConfigError:
+    where = f"config key {key!r}" if key else "the top level"
+    return ConfigError(f"{where} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})", key or None)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if dataclasses.is_dataclass(tp):
+        names = ", ".join(f.name for f in dataclasses.fields(tp))
+        return f"{tp.__name__} (a mapping with keys {names})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_host_port(endpoint: str) -> bool:
+    host, sep, port = endpoint.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).split("\n", 1)[0]

@@ -1,0 +1,270 @@
+"""A replica leader's view of the job in etcd: registration, leases, reports, the per-round
+quorum, evictions and failure watches (DESIGN §3).
+
+Only replica leaders (local rank 0) talk to etcd; they fan the quorum out to their ranks.
+
+Agreement. Every leader evaluates the pure `compute_quorum` on what it reads, and the first
+to find the round ready *creates* `quorum/{round}` with a create-if-absent transaction.
+Everyone, the writer included, then adopts the stored decision. etcd linearizes the create,
+so one round has exactly one quorum: two leaders that raced with different views still
+train with the same members (no split brain). A leader left out of a round it reported
+for (a late joiner) moves to the next round; the healthy replicas never wait for it.
+
+Liveness. `members/{rid}` is bound to a lease kept alive by a thread. The thread stops
+refreshing once the training loop has made no progress (`heartbeat`) for `hang_timeout_s`,
+so a hung replica drops out within TTL. A supervisor that sees a process die writes
+`evict/{rid}/{inc}`, which removes it at once instead of after the TTL.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
+
+from .quorum import Decision, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff
+from .store import Event, LeaseExpired, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+KEEP_ROUNDS = 32
+"""Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
+
+
+class ConfigMismatch(RuntimeError):
+    """This replica's job config differs from the one the job was started with."""
+
+
+class Evicted(RuntimeError):
+    """This (replica, incarnation) was declared dead; the process must exit."""
+
+
+class QuorumTimeout(TimeoutError):
+    """No quorum formed within the deadline; the message carries the last reason."""
+
+
+class Coordinator:
+    """One per replica leader. Thread-safe where it says so; otherwise call from one thread."""
+
+    def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec, *,
+                 prefix: str = "/lft", lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0,
+                 poll_interval_s: float = 0.05,
+                 on_failure: Optional[Callable[[int, str], None]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.job = job
+        self.rid = rid
+        self.incarnation = incarnation
+        self.spec = spec
+        self.lease_ttl_s = lease_ttl_s
+        self.hang_timeout_s = hang_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.on_failure = on_failure
+        self._clock = clock
+        self._root = f"{prefix.rstrip('/')}/{job}/"
+        self._lease = 0
+        self._lease_lost = threading.Event()
+        self._report: Optional[Report] = None
+        self._next_round = 0
+        self._current: Optional[Quorum] = None
+        self._last_progress = clock()
+        self._last_reason = ""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._keepalive: Optional[threading.Thread] = None
+        self._cancel_watches: list[Callable[[], None]] = []
+
+    # -- keys -----------------------------------------------------------------------------------
+    def key(self, *parts: object) -> str:
+        return self._root + "/".join(str(p) for p in parts)
+
+    def _round_key(self, round: int) -> str:
+        return self.key("quorum", f"{round:012d}")
+
+    # -- registration -----------------------------------------------------------------------------
+    def register(self, step: int, addrs: Sequence[str] = (), state_addrs: Sequence[str] = ()) -> None:
+        """Check the job config, take a lease, publish our member report and start the
+        keepalive thread and the failure watches. Do slow initialization *before* this."""
+        self._check_config()
+        if self.store.get(self.key("evict", self.rid, self.incarnation)) is not None:
+            raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was already evicted; "
+                          "restart it with a new incarnation")
+        decided, _ = self.store.get_prefix(self.key("quorum") + "/")
+        self._next_round = (int(decided[-1].key.rsplit("/", 1)[1]) + 1) if decided else 0
+        self._report = Report(self.rid, self.incarnation, step, self._next_round,
+                              dict(self.spec.fingerprint), tuple(addrs), tuple(state_addrs))
+        self._grant_and_publish()
+        self._cancel_watches.append(self.store.watch_prefix(self.key("evict") + "/", self._on_event))
+        self._cancel_watches.append(self.store.watch_prefix(self.key("members") + "/", self._on_event))
+        self._cancel_watches.append(self.store.watch_prefix(self.key("quorum") + "/", self._on_event))
+        self._keepalive = threading.Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
+        self._keepalive.start()
+
+    def _check_config(self) -> None:
+        mine = dict(self.spec.fingerprint)
+        raw = json.dumps(mine, sort_keys=True).encode()
+        if self.store.create(self.key("config"), raw):
+            return
+        kv = self.store.get(self.key("config"))
+        job_fp = json.loads(kv.value) if kv else {}
+        diff = fingerprint_diff(job_fp, mine)
+        if diff:
+            raise ConfigMismatch(
+                f"replica {self.rid} (incarnation {self.incarnation}) refused: job config differs in {diff}. "
+                f"Use the job's settings, or a new job id to start a different job.")
+
+    def _grant_and_publish(self) -> None:
+        self._lease = self.store.lease_grant(self.lease_ttl_s)
+        self._lease_lost.clear()
+        self.store.put(self.key("members", self.rid), self._report.to_json(), lease=self._lease)
+
+    def _keepalive_loop(self) -> None:
+        period = max(self.lease_ttl_s / 3.0, 0.05)
+        while not self._stop.wait(period):
+            if self._clock() - self._last_progress > self.hang_timeout_s:
+                if not self._lease_lost.is_set():
+                    log.warning("replica %d: no training progress for %.1fs (hang_timeout); letting the lease lapse",
+                                self.rid, self.hang_timeout_s)
+                continue
+            if self._lease_lost.is_set():
+                continue
+            try:
+                self.store.lease_keepalive(self._lease)
+            except LeaseExpired:
+                self._lease_lost.set()
+                self._wake.set()
+            except StoreError as e:
+                log.warning("replica %d: lease keepalive failed: %s", self.rid, e)
+
+    # -- progress and failure watches -----------------------------------------------------------
+    def heartbeat(self) -> None:
+        """The training loop made progress. Call at least every hang_timeout_s."""
+        self._last_progress = self._clock()
+
+    def _on_event(self, ev: Event) -> None:
+        self._wake.set()
+        q = self._current
+        if q is None or self.on_failure is None:
+            return
+        parts = ev.key[len(self._root):].split("/")
+        if parts[0] == "evict" and ev.kind == "put" and len(parts) == 3:
+            rid, inc = int(parts[1]), int(parts[2])
+            if rid != self.rid and (rid, inc) in q.member_set():
+                self.on_failure(rid, f"evicted: {ev.value.decode(errors='replace')}")
+        elif parts[0] == "members" and ev.kind == "delete" and len(parts) == 2:
+            rid = int(parts[1])
+            if rid != self.rid and rid in q.members:
+                self.on_failure(rid, "lease expired")
+
+    def evict(self, rid: int, incarnation: int, reason: str) -> None:
+        """Declare (rid, incarnation) dead, effective for everyone at once."""
+        self.store.put(self.key("evict", rid, incarnation), reason.encode())
+
+    # -- the quorum of a round ------------------------------------------------------------------
+    @property
+    def current(self) -> Optional[Quorum]:
+        return self._current
+
+    def quorum(self, step: int, timeout_s: Optional[float] = None) -> Quorum:
+        """Report `step` for our next round and return the round's quorum, which includes us.
+
+        Blocks until the round is decided, moving to later rounds while we are left out.
+        Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted."""
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        self._publish(step, self._next_round)
+        started = self._clock()
+        while True:
+            self.heartbeat()
+            self._wake.clear()
+            if self._lease_lost.is_set():
+                self._recover_lease()
+            round = self._report.round
+            kv = self.store.get(self._round_key(round))
+            if kv is None:
+                decision = self._evaluate(round, self._clock() - started)
+                self._log_reason(decision.reason)
+                if decision.quorum is not None:
+                    if self.store.create(self._round_key(round), decision.quorum.to_json()):
+                        self._prune(round)
+                    kv = self.store.get(self._round_key(round))
+            if kv is not None:
+                q = Quorum.from_json(kv.value)
+                if (self.rid, self.incarnation) in q.member_set():
+                    self._current = q
+                    self._next_round = round + 1
+                    self._log_reason(q.reason)
+                    return q
+                # Left out (we reported too late): try the round after the newest decided one.
+                self._publish(step, max(round, self._latest_round()) + 1)
+                started = self._clock()
+                continue
+            if deadline is not None and self._clock() > deadline:
+                raise QuorumTimeout(f"replica {self.rid}: no quorum for round {round} after {timeout_s:.1f}s; "
+                                    f"last reason: {self._last_reason}")
+            self._wake.wait(self.poll_interval_s)
+
+    def _publish(self, step: int, round: int) -> None:
+        self._report = replace(self._report, step=step, round=round)
+        try:
+            self.store.put(self.key("members", self.rid), self._report.to_json(), lease=self._lease)
+        except LeaseExpired:
+            self._recover_lease()
+
+    def _recover_lease(self) -> None:
+        """Our lease lapsed (we hung, or etcd lost it). Come back as a joiner unless evicted."""
+        if self.store.get(self.key("evict", self.rid, self.incarnation)) is not None:
+            raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted while its lease lapsed; "
+                          "exiting so the supervisor restarts it")
+        log.warning("replica %d: lease lapsed; re-registering as a joiner", self.rid)
+        self._report = replace(self._report, round=max(self._report.round, self._latest_round() + 1))
+        self._grant_and_publish()
+
+    def _latest_round(self) -> int:
+        kvs, _ = self.store.get_prefix(self.key("quorum") + "/")
+        return int(kvs[-1].key.rsplit("/", 1)[1]) if kvs else -1
+
+    def _evaluate(self, round: int, waited_s: float) -> Decision:
+        members, rev = self.store.get_prefix(self.key("members") + "/")
+        evicts, _ = self.store.get_prefix(self.key("evict") + "/", revision=rev)
+        reports = {}
+        for kv in members:
+            rep = Report.from_json(kv.value)
+            reports[rep.rid] = rep
+        evicted = set()
+        for kv in evicts:
+            _, rid, inc = kv.key[len(self._root):].split("/")
+            evicted.add((int(rid), int(inc)))
+        prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
+        previous = Quorum.from_json(prev_kv.value) if prev_kv else None
+        return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s)
+
+    def _prune(self, round: int) -> None:
+        old = round - KEEP_ROUNDS
+        if old >= 0:
+            self.store.delete(self._round_key(old))
+
+    def _log_reason(self, reason: str) -> None:
+        if reason != self._last_reason:
+            self._last_reason = reason
+            log.info("replica %d: %s", self.rid, reason)
+
+    @property
+    def last_reason(self) -> str:
+        return self._last_reason
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self, revoke: bool = True) -> None:
+        """Stop the threads; with `revoke`, leave the job at once (a clean exit)."""
+        self._stop.set()
+        for cancel in self._cancel_watches:
+            cancel()
+        self._cancel_watches.clear()
+        if self._keepalive is not None:
+            self._keepalive.join(2.0)
+        if revoke and self._lease:
+            try:
+                self.store.lease_revoke(self._lease)
+            except StoreError:
+                pass

@@ -1,0 +1,255 @@
+"""Coordinator against a real etcd: leader *processes*, SIGKILL, SIGSTOP, evictions, joins,
+races and an etcd restart. Every wait is bounded; every process is killed by PID at the end."""
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, QuorumTimeout
+from lightning_ft.coord.demo import LeaderProc
+from lightning_ft.coord.quorum import JobSpec
+from lightning_ft.coord.store import EtcdStore, MemoryStore
+
+TTL = 1.0
+
+
+@pytest.fixture
+def leaders():
+    started: list[LeaderProc] = []
+    yield started
+    for l in started:
+        l.kill()
+
+
+def job_args(job, replicas=3, **kw):
+    args = ["--job", job, "--replicas", str(replicas), "--ttl", str(TTL)]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return tuple(args)
+
+
+def start(leaders, etcd, rids, args, inc=0):
+    for r in rids:
+        leaders.append(LeaderProc(etcd, r, inc, args))
+    return leaders[-len(rids):]
+
+
+def decided(l: LeaderProc, pred, timeout_s):
+    got = l.wait_for(lambda x: "round" in x and pred(x), timeout_s)
+    assert got is not None, f"leader r{l.rid} never matched; last lines: {l.lines[-3:]}; stderr: " + (
+        l.proc.stderr.read() if l.proc.poll() is not None else "(running)")
+    return got
+
+
+def comparable(row):
+    return {k: row[k] for k in ("round", "epoch", "members", "incarnations", "contributors", "lagging",
+                                "max_step", "reason")}
+
+
+def assert_all_agree(procs):
+    by_round = collections.defaultdict(list)
+    for l in procs:
+        for row in l.rounds():
+            by_round[row["round"]].append(comparable(row))
+    assert by_round, "no rounds were decided"
+    for rnd, rows in by_round.items():
+        assert all(r == rows[0] for r in rows), f"round {rnd}: leaders disagree: {rows}"
+    return by_round
+
+
+def test_identical_quorums_over_50_rounds_with_random_delays(etcd_endpoint, leaders):
+    job = uuid.uuid4().hex[:8]
+    procs = start(leaders, etcd_endpoint, range(4),
+                  job_args(job, 4, rounds=50, step_ms=2, jitter_ms=25, init_timeout=20))
+    for l in procs:
+        assert l.proc.wait(60) == 0, l.proc.stderr.read()
+    by_round = assert_all_agree(procs)
+    assert sorted(by_round) == list(range(50))
+    assert all(len(rows) == 4 for rows in by_round.values())  # nobody was left out
+    assert [by_round[r][0]["max_step"] for r in range(50)] == list(range(50))
+
+
+def _first_round_without(l, rid, after_t, timeout_s):
+    return decided(l, lambda x: x["t"] > after_t and rid not in x["members"], timeout_s)
+
+
+def test_sigkilled_leader_is_excluded_within_lease_ttl(etcd_endpoint, leaders):
+    job = uuid.uuid4().hex[:8]
+    procs = start(leaders, etcd_endpoint, range(3), job_args(job, rounds=100000, step_ms=20))
+    decided(procs[0], lambda x: x["round"] >= 5, 20)
+    t_kill = time.time()
+    procs[2].signal(signal.SIGKILL)
+    row = _first_round_without(procs[0], 2, t_kill, 10)
+    # A lease lapses TTL after its last keepalive (at most TTL/3 before the kill); etcd's
+    # lessor checks expiry every 500 ms.
+    assert row["t"] - t_kill < TTL + 0.6, row
+    assert row["members"] == [0, 1] and row["epoch"] == 1
+    assert "left r2" in row["reason"]
+
+
+def test_eviction_excludes_a_killed_leader_within_100ms(etcd_endpoint, leaders):
+    job = uuid.uuid4().hex[:8]
+    procs = start(leaders, etcd_endpoint, range(3), job_args(job, rounds=100000, step_ms=20))
+    decided(procs[0], lambda x: x["round"] >= 5, 20)
+    store = EtcdStore(etcd_endpoint)
+    try:
+        procs[2].signal(signal.SIGKILL)
+        t_evict = time.time()
+        store.put(f"/lft/{job}/evict/2/0", b"killed by test")
+        rows = [_first_round_without(l, 2, t_evict, 5) for l in procs[:2]]
+    finally:
+        store.close()
+    for row in rows:
+        # Whoever was waiting for r2 is woken by the watch; the rest only need their next round.
+        assert row["t"] - t_evict < 0.1, (row["t"] - t_evict, row)
+
+
+def test_sigstopped_leader_is_excluded_then_rejoins_lagging(etcd_endpoint, leaders):
+    job = uuid.uuid4().hex[:8]
+    procs = start(leaders, etcd_endpoint, range(3), job_args(job, rounds=100000, step_ms=20))
+    decided(procs[0], lambda x: x["round"] >= 5, 20)
+    t_stop = time.time()
+    procs[1].signal(signal.SIGSTOP)
+    row = _first_round_without(procs[0], 1, t_stop, 10)
+    assert row["t"] - t_stop <= TTL + 1.0, row
+    time.sleep(0.5)
+    t_cont = time.time()
+    procs[1].signal(signal.SIGCONT)
+    back = decided(procs[0], lambda x: x["t"] > t_cont and 1 in x["members"], 10)
+    assert back["lagging"] == [1] and "joined r1" in back["reason"]
+    assert_all_agree(procs)
+
+
+def test_late_joiner_is_added_as_lagging_and_nobody_waits(etcd_endpoint, leaders):
+    job = uuid.uuid4().hex[:8]
+    args = job_args(job, rounds=100000, step_ms=20, init_timeout=0.3)
+    procs = start(leaders, etcd_endpoint, [0, 1], args)
+    decided(procs[0], lambda x: x["round"] >= 20 and x["members"] == [0, 1], 20)
+    t_join = time.time()
+    joiner = start(leaders, etcd_endpoint, [2], args)[0]
+    row = decided(procs[0], lambda x: 2 in x["members"], 20)
+    assert row["lagging"] == [2] and row["contributors"] == [0, 1]
+    decided(procs[0], lambda x: x["round"] >= row["round"] + 5, 10)
+    assert_all_agree(procs + [joiner])
+    # The healthy leaders kept their pace while the joiner started (Python start-up takes seconds).
+    ts = [x["t"] for x in procs[0].rounds() if t_join - 0.5 < x["t"] <= row["t"] + 0.5]
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    assert max(gaps) < 0.25, gaps
+
+
+def test_quorums_survive_an_etcd_restart(etcd_server, leaders):
+    job = uuid.uuid4().hex[:8]
+    procs = start(leaders, etcd_server.endpoint, range(3), job_args(job, rounds=100000, step_ms=20))
+    first = decided(procs[0], lambda x: x["round"] >= 5, 20)
+    etcd_server.restart(down_s=0.3)
+    t_up = time.time()
+    later = decided(procs[0], lambda x: x["t"] > t_up and x["round"] >= first["round"] + 10, 20)
+    assert later["members"] == [0, 1, 2]
+    for l in procs:
+        assert l.proc.poll() is None, l.proc.stderr.read()
+    assert_all_agree(procs)
+
+
+def test_racing_leaders_never_produce_two_quorums_for_one_round(etcd_endpoint):
+    """Leaders as threads with their own clients, a joiner arriving and a leaver leaving while
+    rounds run back to back with no delay: every round has one decision, adopted by all."""
+    job = uuid.uuid4().hex[:8]
+    spec = JobSpec(5, 1, 0.2, {"job": job})
+    got: dict[int, dict[int, tuple]] = collections.defaultdict(dict)
+    errors: list[BaseException] = []
+
+    def run(rid, rounds, delay_s=0.0):
+        try:
+            time.sleep(delay_s)
+            store = EtcdStore(etcd_endpoint)
+            c = Coordinator(store, job, rid, 0, spec, lease_ttl_s=1.0, poll_interval_s=0.01)
+            c.register(0)
+            step = 0
+            for _ in range(rounds):
+                q = c.quorum(step, timeout_s=20)
+                got[q.round][rid] = (q.epoch, q.members, q.contributors, q.lagging)
+                step = q.max_step + 1
+            c.close()
+            store.close()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r, 40)) for r in range(3)]
+    ts.append(threading.Thread(target=run, args=(3, 10)))       # leaves early
+    ts.append(threading.Thread(target=run, args=(4, 15, 0.5)))  # joins late
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert not errors, errors
+    assert len(got) >= 40
+    for rnd, by_rid in got.items():
+        views = set(by_rid.values())
+        assert len(views) == 1, f"round {rnd}: {by_rid}"
+        (epoch, members, *_), = views
+        assert set(by_rid) == set(members), f"round {rnd}: adopted by {set(by_rid)} but members {members}"
+    assert any(4 in v[1] for r in got.values() for v in r.values())
+
+
+def test_joiner_with_different_config_is_refused_by_name(etcd_endpoint):
+    job = uuid.uuid4().hex[:8]
+    s = EtcdStore(etcd_endpoint)
+    try:
+        a = Coordinator(s, job, 0, 0, JobSpec(3, 1, 1.0, {"job": job, "replicas": 3, "nproc_per_replica": 2}))
+        a.register(0)
+        b = Coordinator(s, job, 1, 0, JobSpec(4, 1, 1.0, {"job": job, "replicas": 4, "nproc_per_replica": 2}))
+        with pytest.raises(ConfigMismatch, match=r"replica 1 \(incarnation 0\) refused: job config differs in "
+                                                 r"replicas \(4 != 3\)"):
+            b.register(0)
+        a.close()
+    finally:
+        s.close()
+
+
+# -- in-process behaviour on MemoryStore (fast) --------------------------------------------------
+
+def test_eviction_watch_calls_on_failure_for_a_current_member():
+    s = MemoryStore()
+    spec = JobSpec(2, 1, 5.0, {"job": "j"})
+    failures = []
+    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1, on_failure=lambda r, why: failures.append((r, why, time.monotonic())))
+    b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=1)
+    a.register(0)
+    b.register(0)
+    tb = threading.Thread(target=b.quorum, args=(0, 5))
+    tb.start()
+    a.quorum(0, timeout_s=5)
+    tb.join(5)
+    t0 = time.monotonic()
+    a.evict(1, 0, "process exited with -9")
+    assert failures and failures[0][:2] == (1, "evicted: process exited with -9")
+    assert failures[0][2] - t0 < 0.1
+    a.close(), b.close(), s.close()
+
+
+def test_hung_training_loop_lets_the_lease_lapse():
+    s = MemoryStore()
+    spec = JobSpec(1, 1, 0.0, {"job": "j"})
+    c = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=0.3, hang_timeout_s=0.4)
+    c.register(0)
+    c.quorum(0, timeout_s=2)
+    deadline = time.monotonic() + 0.4 + 0.3 + 1.0
+    while s.get("/lft/j/members/0") is not None:
+        assert time.monotonic() < deadline, "a hung replica kept its lease"
+        time.sleep(0.02)
+    # Back from the hang: the next quorum call re-registers it as a joiner.
+    q = c.quorum(1, timeout_s=2)
+    assert q.members == (0,) and s.get("/lft/j/members/0") is not None
+    c.close(), s.close()
+
+
+def test_below_min_replicas_times_out_with_the_reason():
+    s = MemoryStore()
+    c = Coordinator(s, "j", 0, 0, JobSpec(3, 2, 0.0, {"job": "j"}), lease_ttl_s=1)
+    c.register(0)
+    with pytest.raises(QuorumTimeout, match="below min_replicas: 1 of 2 needed"):
+        c.quorum(0, timeout_s=0.3)
+    c.close(), s.close()
