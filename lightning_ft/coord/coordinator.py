@@ -75,6 +75,13 @@ class Coordinator:
         self._stop = threading.Event()
         self._keepalive: Optional[threading.Thread] = None
         self._cancel_watches: list[Callable[[], None]] = []
+        self._decisions: dict[int, bytes] = {}
+        """Decisions seen by the quorum/ watch, by round (saves non-deciders a read per wake)."""
+        self._dead: set[tuple[int, int]] = set()
+        """Members of the current quorum seen evicted or expired by the watches."""
+        self._dead_lock = threading.Lock()
+        self._slow_poll_s = max(poll_interval_s * 5, 0.25)
+        self._fallback_s = 2.0 * lease_ttl_s
 
     # -- keys -----------------------------------------------------------------------------------
     def key(self, *parts: object) -> str:
@@ -144,19 +151,30 @@ class Coordinator:
         self._last_progress = self._clock()
 
     def _on_event(self, ev: Event) -> None:
-        self._wake.set()
-        q = self._current
-        if q is None or self.on_failure is None:
-            return
         parts = ev.key[len(self._root):].split("/")
-        if parts[0] == "evict" and ev.kind == "put" and len(parts) == 3:
+        q = self._current
+        failed: Optional[tuple[int, str]] = None
+        if parts[0] == "quorum" and ev.kind == "put":
+            self._decisions[int(parts[1])] = ev.value
+        elif parts[0] == "evict" and ev.kind == "put" and len(parts) == 3:
             rid, inc = int(parts[1]), int(parts[2])
-            if rid != self.rid and (rid, inc) in q.member_set():
-                self.on_failure(rid, f"evicted: {ev.value.decode(errors='replace')}")
-        elif parts[0] == "members" and ev.kind == "delete" and len(parts) == 2:
+            if q is not None and (rid, inc) in q.member_set():
+                with self._dead_lock:
+                    self._dead.add((rid, inc))
+                failed = (rid, f"evicted: {ev.value.decode(errors='replace')}")
+        elif parts[0] == "members" and len(parts) == 2 and q is not None:
             rid = int(parts[1])
-            if rid != self.rid and rid in q.members:
-                self.on_failure(rid, "lease expired")
+            if rid in q.members:
+                inc = q.incarnations[q.members.index(rid)]
+                with self._dead_lock:
+                    if ev.kind == "delete":
+                        self._dead.add((rid, inc))
+                        failed = (rid, "lease expired")
+                    elif Report.from_json(ev.value).incarnation == inc:
+                        self._dead.discard((rid, inc))  # back from a lapse (evictions are re-checked in quorum)
+        self._wake.set()
+        if failed and failed[0] != self.rid and self.on_failure is not None:
+            self.on_failure(*failed)
 
     def evict(self, rid: int, incarnation: int, reason: str) -> None:
         """Declare (rid, incarnation) dead, effective for everyone at once."""
@@ -174,27 +192,33 @@ class Coordinator:
         Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         self._publish(step, self._next_round)
-        started = self._clock()
+        started = last_get = self._clock()
+        first = True
         while True:
             self.heartbeat()
             self._wake.clear()
             if self._lease_lost.is_set():
                 self._recover_lease()
             round = self._report.round
-            kv = self.store.get(self._round_key(round))
-            if kv is None:
-                decision = self._evaluate(round, self._clock() - started)
+            now = self._clock()
+            raw = self._decisions.get(round)
+            if raw is None and (first or now - last_get >= self._slow_poll_s):
+                kv = self.store.get(self._round_key(round))
+                raw, last_get = (kv.value if kv else None), now
+            first = False
+            if raw is None and self._is_decider(now - started):
+                decision = self._evaluate(round, now - started)
                 self._log_reason(decision.reason)
                 if decision.quorum is not None:
-                    if self.store.create(self._round_key(round), decision.quorum.to_json()):
+                    raw = decision.quorum.to_json()
+                    if self.store.create(self._round_key(round), raw):
                         self._prune(round)
-                    kv = self.store.get(self._round_key(round))
-            if kv is not None:
-                q = Quorum.from_json(kv.value)
+                    else:  # someone else decided first: theirs stands
+                        raw = self.store.get(self._round_key(round)).value
+            if raw is not None:
+                q = Quorum.from_json(raw)
                 if (self.rid, self.incarnation) in q.member_set():
-                    self._current = q
-                    self._next_round = round + 1
-                    self._log_reason(q.reason)
+                    self._adopt(q)
                     return q
                 # Left out (we reported too late): try the round after the newest decided one.
                 self._publish(step, max(round, self._latest_round()) + 1)
@@ -202,8 +226,28 @@ class Coordinator:
                 continue
             if deadline is not None and self._clock() > deadline:
                 raise QuorumTimeout(f"replica {self.rid}: no quorum for round {round} after {timeout_s:.1f}s; "
-                                    f"last reason: {self._last_reason}")
+                                    f"last reason: {self._last_reason or 'waiting for the decider'}")
             self._wake.wait(self.poll_interval_s)
+
+    def _adopt(self, q: Quorum) -> None:
+        with self._dead_lock:
+            self._current = q
+            self._dead = {m for m in self._dead if m in q.member_set()}
+        self._next_round = q.round + 1
+        for r in [r for r in self._decisions if r <= q.round]:
+            self._decisions.pop(r, None)
+        self._log_reason(q.reason)
+
+    def _is_decider(self, waited_s: float) -> bool:
+        """Whether to evaluate the round ourselves. The decider is the lowest-id member of the
+        previous quorum not known dead; the others only wait for its decision. Anyone steps
+        in after `fallback_s` (or at once at round 0), which is safe: creation is a CAS."""
+        q = self._current
+        if q is None:
+            return self._report.round == 0 or waited_s >= self._fallback_s
+        with self._dead_lock:
+            alive = [r for r, i in zip(q.members, q.incarnations) if (r, i) not in self._dead]
+        return not alive or alive[0] == self.rid or waited_s >= self._fallback_s
 
     def _publish(self, step: int, round: int) -> None:
         self._report = replace(self._report, step=step, round=round)

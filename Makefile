@@ -1,0 +1,33 @@
+# lightning-ft: the two README commands are `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-slow demo bench clean
+
+venv: $(STAMP)
+
+# torch first, pinned: it is the CPU build on local disk here; a looser spec could pull a
+# multi-GB CUDA build. Then the package with its extras.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,triton]'
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow
+
+demo: venv
+	$(BIN)/python -m lightning_ft.coord.demo show
+
+bench: venv
+	$(BIN)/python -m lightning_ft.bench.quorum
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
