@@ -1,0 +1,342 @@
+"""FTAR engine: one fault-tolerant ring all-reduce endpoint per rank (DESIGN §4).
+
+The training thread calls `allreduce(tensors)` and gets a `Work`; one CPU control thread
+runs the ring schedule (ring.py) over the transport, calls the data-plane ops (ops/), and
+completes the Work. Send and receive buffers of S·C bytes are allocated once.
+
+Errors. A `RecoverableError` (peer lost, timeout, `abort`, stale epoch) fails the running
+Work and every queued one ("skipped"), and the engine refuses new work until the next
+`reconfigure`. A `FatalError` (ranks disagree on size or dtype, bad arguments) is sent
+around the ring so that every rank raises it, and no rank hangs. Every wait has a deadline.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from lightning_ft import ops
+from .ring import chunks, neighbours, partitions, schedule, segments
+from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FTARError, Identity, RecoverableError,
+                             Transport, byte_view, job_hash)
+
+log = logging.getLogger(__name__)
+
+
+class Work:
+    """The future of one `allreduce` call."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self.skipped = False
+        self.seconds = 0.0
+        """Wall time the control thread spent on it."""
+
+    def _finish(self, error: Optional[BaseException] = None, skipped: bool = False) -> None:
+        self._error = error
+        self.skipped = skipped
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def wait(self, timeout: Optional[float] = None) -> list[torch.Tensor]:
+        """Block until done; raises the Work's error. `timeout` bounds the wait itself."""
+        if not self._done.wait(timeout):
+            raise RecoverableError(None, f"Work.wait timed out after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self.tensors
+
+
+@dataclass(frozen=True)
+class Ring:
+    epoch: int
+    addrs: tuple[str, ...]
+    index: int
+
+    @property
+    def n(self) -> int:
+        return len(self.addrs)
+
+
+class FTAR:
+    """One rank's endpoint of the cross-replica ring for its local rank."""
+
+    def __init__(self, job: str, replica: int, rank: int, secret: bytes | str, *, chunk_bytes: int = 4 << 20,
+                 num_chunks: int = 4, timeout_s: float = 5.0, connect_timeout_s: float = 5.0,
+                 transport: str | Transport = "tcp", bind_host: str = "127.0.0.1", staged: bool = False) -> None:
+        if chunk_bytes <= 0 or num_chunks <= 0:
+            raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} num_chunks={num_chunks}")
+        secret_b = secret.encode() if isinstance(secret, str) else bytes(secret)
+        self.ident = Identity(job, replica, rank, secret_b)
+        self._job = job_hash(job)
+        self.S, self.C = chunk_bytes, num_chunks
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.staged = staged
+        """Force the staged (registered-slot) data path even on a zero-copy transport."""
+        if isinstance(transport, Transport):
+            self.transport = transport
+        elif transport == "tcp":
+            from .transport.tcp import TcpTransport
+
+            self.transport = TcpTransport(self.ident, bind_host)
+        elif transport == "rdma":
+            from .transport.rdma import RdmaTransport  # noqa: F401  (raises a clear error without a device)
+
+            self.transport = RdmaTransport(self.ident, bind_host)
+        else:
+            raise FatalError(f"unknown FTAR transport {transport!r}; use 'tcp' or 'rdma'")
+        # Allocated once: C slots of S bytes each way (registered with the transport).
+        self.sendbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
+        self.recvbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
+        self.transport.register(self.sendbuf, self.recvbuf, self.S)
+        self._ring: Optional[Ring] = None
+        self._seq = 0
+        self._broken: Optional[FTARError] = None
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"ftar-r{replica}-rank{rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    @property
+    def ring(self) -> Optional[Ring]:
+        return self._ring
+
+    # -- control ------------------------------------------------------------------------------------
+    def reconfigure(self, epoch: int, ring_addrs: Sequence[str], index: int) -> float:
+        """Connect to this epoch's ring (fails queued work first). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if not 0 <= index < len(ring_addrs):
+            raise FatalError(f"ring index {index} out of range for {len(ring_addrs)} addresses")
+        if self._ring is not None and epoch < self._ring.epoch:
+            raise RecoverableError(None, f"stale epoch {epoch} < current {self._ring.epoch}")
+        if not self._idle.is_set():
+            self.abort(f"reconfigure to epoch {epoch}")
+            if not self._idle.wait(self.timeout_s + 1):
+                raise FatalError("FTAR control thread did not stop for reconfigure")
+        ring = Ring(epoch, tuple(ring_addrs), index)
+        left, right = neighbours(ring.n, index)
+        with self._lock:
+            self._ring = None
+            self._seq = 0
+        self.transport.connect(epoch, index, ring.n, ring.addrs[left], ring.addrs[right], self.connect_timeout_s)
+        with self._lock:
+            self._ring = ring
+            self._broken = None
+        return time.perf_counter() - t0
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], op: str = "sum", divisor: Optional[float] = None) -> Work:
+        """Sum `tensors` in place across the ring (then divide by `divisor`, if given)."""
+        if op != "sum":
+            raise FatalError(f"FTAR supports op='sum' only, got {op!r}")
+        tensors = list(tensors)
+        for t in tensors:
+            if t.dtype not in DTYPE_CODES or not t.is_contiguous():
+                raise FatalError(f"FTAR needs contiguous tensors of {sorted(str(d) for d in DTYPE_CODES)}; "
+                                 f"got {t.dtype}, contiguous={t.is_contiguous()}")
+        work = Work(tensors)
+        with self._lock:
+            if self._closed:
+                raise FatalError("FTAR is closed")
+            if self._ring is None:
+                work._finish(RecoverableError(None, "not connected: call reconfigure(epoch, ring, index) first"),
+                             skipped=True)
+                return work
+            if self._broken is not None:
+                work._finish(RecoverableError(None, f"skipped: an earlier allreduce failed: {self._broken}"),
+                             skipped=True)
+                return work
+            self._idle.clear()
+            self._queue.put((work, self._ring, divisor))
+        return work
+
+    def abort(self, reason: str) -> None:
+        """Interrupt the running all-reduce and fail queued ones. Any thread; returns at once."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = RecoverableError(None, f"aborted: {reason}")
+        self.transport.abort(reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.abort("closed")
+        self._queue.put(None)
+        self._thread.join(self.timeout_s + 2)
+        self.transport.close()
+
+    # -- the control thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, ring, divisor = item
+            with self._lock:
+                broken = self._broken
+            if broken is not None:
+                work._finish(RecoverableError(getattr(broken, "peer", None), f"skipped: {broken}"), skipped=True)
+            else:
+                t0 = time.perf_counter()
+                try:
+                    for t in work.tensors:
+                        self._allreduce_one(t, ring, divisor)
+                    work.seconds = time.perf_counter() - t0
+                    work._finish()
+                except FatalError as e:
+                    # Pass it on around the ring so that every rank raises it (once each).
+                    self.transport.send_fatal(self._header(ring, torch.empty(0), 0, 0, 0, 0), str(e))
+                    with self._lock:
+                        self._broken = e
+                    work._finish(e)
+                except RecoverableError as e:
+                    with self._lock:
+                        aborted = self._broken
+                        self._broken = self._broken or e
+                    if aborted is not None and aborted is not e:  # say why we were interrupted
+                        e = RecoverableError(e.peer, f"{aborted.reason}; {e.reason}")
+                    work._finish(e)
+                except Exception as e:  # a local device error or a bug: fatal, but never a hang
+                    err = FatalError(f"FTAR control thread failed: {type(e).__name__}: {e}")
+                    with self._lock:
+                        self._broken = err
+                    work._finish(err)
+            with self._lock:
+                if self._queue.empty():
+                    self._idle.set()
+
+    def _header(self, ring: Ring, t: torch.Tensor, part: int, step: int, chunk: int, nbytes: int) -> ChunkHeader:
+        return ChunkHeader(KIND_DATA, self._job, ring.epoch, self._seq, part, step, chunk,
+                           DTYPE_CODES.get(t.dtype, 0), nbytes, t.numel())
+
+    def _allreduce_one(self, t: torch.Tensor, ring: Ring, divisor: Optional[float]) -> None:
+        if t.is_cuda:  # TCP stages through host memory; the GPU kernels serve the RDMA path
+            host = t.detach().to("cpu")
+            self._allreduce_one(host, ring, divisor)
+            t.copy_(host)
+            return
+        self._seq += 1
+        flat = t.view(-1)
+        if ring.n == 1 or flat.numel() == 0:
+            if divisor is not None and flat.numel():
+                ops.scale_(flat, divisor)
+            return
+        es = flat.element_size()
+        plan = schedule(ring.n, ring.index)
+        staged = self.staged or not self.transport.zero_copy
+        for p, part in enumerate(partitions(flat.numel(), es, ring.n, self.S, self.C)):
+            segs = segments(part, ring.n)
+            if staged:
+                self._partition_staged(flat, ring, plan, segs, p, divisor)
+            else:
+                self._partition_zero_copy(flat, ring, plan, segs, p, divisor)
+
+    def _recv_checked(self, want: ChunkHeader, dest: memoryview) -> None:
+        def check(hdr: ChunkHeader) -> memoryview:
+            if hdr != want:
+                self._mismatch(hdr, want)
+            return dest
+
+        self.transport.recv(check, self.timeout_s)
+
+    def _partition_zero_copy(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int,
+                             divisor: Optional[float]) -> None:
+        """Send from and receive into the user's tensor (TCP): reduce-scatter partial sums are
+        kept in place in the user's buffer (all-gather overwrites them), and all-gather chunks
+        land directly where they belong and are forwarded from there."""
+        es = flat.element_size()
+        recvbuf = self.recvbuf.view(flat.dtype)
+        slot = self.S // es
+        ticket = 0
+        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
+            ticket = self.transport.send(self._header(ring, flat, p, 0, j, c.numel * es), byte_view(flat[c.start:c.end]))
+        for s, st in enumerate(plan):
+            forward = s + 1 < len(plan)
+            for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
+                user = flat[c.start:c.end]
+                want = self._header(ring, flat, p, s, j, c.numel * es)
+                if st.phase == "rs":
+                    recv = recvbuf[j * slot: j * slot + c.numel]
+                    self._recv_checked(want, byte_view(recv))
+                    ops.reduce_(user, recv, user)
+                    if st.last_rs and divisor is not None:
+                        ops.scale_(user, divisor)
+                else:
+                    self._recv_checked(want, byte_view(user))
+                if forward:
+                    ticket = self.transport.send(self._header(ring, flat, p, s + 1, j, c.numel * es),
+                                                 byte_view(user))
+        self.transport.wait_sent(ticket, self.timeout_s)
+
+    def _partition_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int,
+                          divisor: Optional[float]) -> None:
+        """Every chunk goes through the registered slots (RDMA, GPU): `copy` packs into
+        sendbuf, `reduce` writes the next hop's sendbuf and, on the last reduce-scatter step,
+        also the user's buffer (fused)."""
+        es = flat.element_size()
+        sendbuf = self.sendbuf.view(flat.dtype)
+        recvbuf = self.recvbuf.view(flat.dtype)
+        slot = self.S // es
+        tickets = [0] * self.C  # last send from each slot
+        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
+            out = sendbuf[j * slot: j * slot + c.numel]
+            ops.copy_(out, flat[c.start:c.end])
+            tickets[j] = self.transport.send(self._header(ring, flat, p, 0, j, c.numel * es), byte_view(out))
+        for s, st in enumerate(plan):
+            forward = s + 1 < len(plan)
+            for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
+                recv = recvbuf[j * slot: j * slot + c.numel]
+                out = sendbuf[j * slot: j * slot + c.numel]
+                user = flat[c.start:c.end]
+                self._recv_checked(self._header(ring, flat, p, s, j, c.numel * es), byte_view(recv))
+                if forward:
+                    self.transport.wait_sent(tickets[j], self.timeout_s)  # the slot's last send is out
+                if st.phase == "rs":
+                    if st.last_rs and divisor is not None:
+                        ops.reduce_(out, recv, user)
+                        ops.scale_(out, divisor)
+                        ops.copy_(user, out)
+                    else:
+                        ops.reduce_(out, recv, user, out2=user if st.last_rs else None)
+                else:
+                    ops.copy_(user, recv)
+                    if forward:
+                        ops.copy_(out, recv)
+                if forward:
+                    tickets[j] = self.transport.send(self._header(ring, flat, p, s + 1, j, c.numel * es),
+                                                     byte_view(out))
+        self.transport.wait_sent(max(tickets), self.timeout_s)
+
+    def _mismatch(self, got: ChunkHeader, want: ChunkHeader) -> None:
+        if got.job != want.job:
+            raise FatalError(f"chunk from another job (hash {got.job:#x} != {want.job:#x})")
+        if got.epoch != want.epoch:
+            raise RecoverableError(None, f"stale epoch in chunk: {got.epoch} != {want.epoch}")
+        if got.dtype != want.dtype or got.total_numel != want.total_numel:
+            msg = (f"FTAR size/dtype mismatch in all-reduce #{want.seq} of epoch {want.epoch}: this rank has "
+                   f"{want.total_numel} elements of dtype code {want.dtype}, the left neighbour sent "
+                   f"{got.total_numel} of dtype code {got.dtype}")
+        else:
+            msg = (f"FTAR ranks out of step in epoch {want.epoch}: expected all-reduce #{want.seq} partition "
+                   f"{want.partition} step {want.step} chunk {want.chunk} ({want.nbytes} B), got #{got.seq} "
+                   f"partition {got.partition} step {got.step} chunk {got.chunk} ({got.nbytes} B)")
+        raise FatalError(msg)
