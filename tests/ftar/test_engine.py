@@ -1,0 +1,283 @@
+"""FTAR over real TCP on loopback: correctness, SIGKILL, SIGSTOP, abort, refusals and
+fatal mismatches. Multi-process tests bound every wait and kill their processes by PID."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.transport.base import FatalError, RecoverableError
+
+WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
+
+
+class Worker:
+    def __init__(self, d, rank, n, scenario, victim=-1, env=None):
+        self.rank = rank
+        self.proc = subprocess.Popen([sys.executable, WORKER, str(d), str(rank), str(n), scenario, str(victim)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.events: list[dict] = []
+        self.cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.cv:
+                self.events.append(json.loads(line))
+                self.cv.notify_all()
+
+    def wait_event(self, name, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while True:
+                for e in self.events:
+                    if e["event"] == name:
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    err = self.proc.stderr.read() if self.proc.poll() is not None else "(running)"
+                    raise AssertionError(f"rank {self.rank} never reported {name!r}; events {self.events}; {err}")
+                self.cv.wait(min(left, 0.1))
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+    yield started
+    for w in started:
+        if w.proc.poll() is None:
+            os.kill(w.proc.pid, signal.SIGCONT)
+            w.proc.kill()
+        w.proc.wait(5)
+
+
+def spawn(workers, d, n, scenario, victim=-1, env=None):
+    ws = [Worker(d, r, n, scenario, victim, env) for r in range(n)]
+    workers.extend(ws)
+    return ws
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sums_match_torch_and_are_bitwise_identical_on_every_rank(tmp_path, workers, n):
+    ws = spawn(workers, tmp_path, n, "correct")
+    for w in ws:
+        assert w.proc.wait(120) == 0, w.proc.stderr.read()
+    results = [[e for e in w.events if e["event"] == "result"] for w in ws]
+    assert all(len(r) == 3 for r in results)
+    for case in range(3):
+        digests = {r[case]["digest"] for r in results}
+        assert len(digests) == 1, f"case {case}: ranks differ"
+        tol = 1e-2 if case == 1 else 1e-6  # bf16 buckets
+        assert all(r[case]["rel_err"] < tol for r in results), results
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_sigkill_mid_allreduce_fails_survivors_fast_and_smaller_ring_works(tmp_path, workers, n):
+    victim = 1
+    ws = spawn(workers, tmp_path, n, "loop", victim)
+    for w in ws:
+        w.wait_event("running", 60)
+    t_kill = time.time()
+    ws[victim].proc.send_signal(signal.SIGKILL)
+    survivors = [w for w in ws if w.rank != victim]
+    for w in survivors:
+        e = w.wait_event("error", 5)
+        assert e["kind"] == "recoverable"
+        assert e["t"] - t_kill < 1.0, f"rank {w.rank} took {e['t'] - t_kill:.3f}s to notice"
+    for w in survivors:
+        assert w.wait_event("reconfigured", 10)["ms"] < 100
+    digests = {w.wait_event("after", 30)["digest"] for w in survivors}
+    assert len(digests) == 1
+    assert all(w.wait_event("after", 1)["max_err"] < 1e-4 for w in survivors)
+
+
+def test_sigstopped_peer_gives_recoverable_error_at_the_timeout(tmp_path, workers):
+    victim = 2
+    ws = spawn(workers, tmp_path, 3, "loop", victim, env={"FTAR_TIMEOUT": "1.0"})
+    for w in ws:
+        w.wait_event("running", 60)
+    t_stop = time.time()
+    ws[victim].proc.send_signal(signal.SIGSTOP)
+    for w in ws[:2]:
+        e = w.wait_event("error", 5)
+        # The stopped rank's neighbours time out (1 s); the other learns from them sooner or at 1 s.
+        assert e["t"] - t_stop < 1.0 + 0.5, e
+    assert max(w.wait_event("error", 0)["t"] for w in ws[:2]) - t_stop >= 0.9
+    assert len({w.wait_event("after", 30)["digest"] for w in ws[:2]}) == 1
+
+
+# -- in-process: several FTARs in one process, over real loopback sockets -----------------------
+
+def make_ring(n, epochs=None, secrets=None, jobs=None, **kw):
+    fs = [FTAR((jobs or ["j"] * n)[r], r, 0, (secrets or ["s"] * n)[r], chunk_bytes=1 << 12, num_chunks=2, **kw)
+          for r in range(n)]
+    return fs
+
+
+def connect_all(fs, epochs=None, timeout=5):
+    addrs = [f.address for f in fs]
+    errors: dict[int, BaseException] = {}
+
+    def go(i, f):
+        try:
+            f.reconfigure((epochs or [1] * len(fs))[i], addrs, i)
+        except BaseException as e:
+            errors[i] = e
+
+    ts = [threading.Thread(target=go, args=(i, f)) for i, f in enumerate(fs)]
+    [t.start() for t in ts]
+    [t.join(timeout) for t in ts]
+    return errors
+
+
+def close_all(fs):
+    for f in fs:
+        f.close()
+
+
+def test_abort_from_another_thread_interrupts_a_blocked_allreduce_within_100ms():
+    fs = make_ring(2, timeout_s=30)
+    try:
+        assert connect_all(fs) == {}
+        w = fs[0].allreduce([torch.ones(10000)])  # rank 1 never joins: rank 0 blocks
+        queued = fs[0].allreduce([torch.ones(10)])
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        threading.Thread(target=fs[0].abort, args=("eviction of replica 1",)).start()
+        with pytest.raises(RecoverableError, match="aborted: eviction of replica 1"):
+            w.wait(5)
+        assert time.monotonic() - t0 < 0.1
+        with pytest.raises(RecoverableError, match="skipped"):
+            queued.wait(1)
+        assert queued.skipped
+        later = fs[0].allreduce([torch.ones(10)])
+        assert later.skipped and later.done()
+    finally:
+        close_all(fs)
+
+
+def test_reconfigure_after_failure_restores_service():
+    fs = make_ring(3)
+    try:
+        assert connect_all(fs) == {}
+        fs[0].abort("test")
+        fs[1].abort("test")
+        fs[2].abort("test")
+        assert connect_all(fs, epochs=[2, 2, 2]) == {}
+        xs = [torch.full((1001,), float(i + 1)) for i in range(3)]
+        for w in [f.allreduce([x], divisor=3.0) for f, x in zip(fs, xs)]:
+            w.wait(10)
+        assert all(torch.equal(x, torch.full((1001,), 2.0)) for x in xs)
+    finally:
+        close_all(fs)
+
+
+def test_wrong_secret_is_refused():
+    fs = make_ring(2, secrets=["s", "other"], connect_timeout_s=1.0)
+    try:
+        errors = connect_all(fs)
+        assert set(errors) == {0, 1}
+        assert all(isinstance(e, RecoverableError) for e in errors.values())
+        text = " ".join(str(e) for e in errors.values())
+        assert "authentication failed (wrong job secret)" in text or "failed authentication" in text
+    finally:
+        close_all(fs)
+
+
+def test_wrong_job_is_refused():
+    fs = make_ring(2, jobs=["a", "b"], connect_timeout_s=1.0)
+    try:
+        errors = connect_all(fs)
+        assert "job mismatch" in " ".join(str(e) for e in errors.values())
+    finally:
+        close_all(fs)
+
+
+def test_stale_epoch_is_refused():
+    fs = make_ring(2, connect_timeout_s=1.0)
+    try:
+        errors = connect_all(fs, epochs=[2, 1])
+        assert isinstance(errors[1], RecoverableError)
+        assert "stale epoch 1 < 2" in str(errors[1])
+        assert any("stale epoch 1 < 2" in r for r in fs[0].transport.refusals)
+    finally:
+        close_all(fs)
+
+
+def test_shape_mismatch_is_fatal_on_every_rank_without_a_hang():
+    fs = make_ring(3, timeout_s=10)
+    try:
+        assert connect_all(fs) == {}
+        sizes = [5000, 5001, 5000]
+        t0 = time.monotonic()
+        works = [f.allreduce([torch.ones(n)]) for f, n in zip(fs, sizes)]
+        for w in works:
+            with pytest.raises(FatalError, match="size/dtype mismatch"):
+                w.wait(5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        close_all(fs)
+
+
+def test_dtype_mismatch_is_fatal():
+    fs = make_ring(2, timeout_s=10)
+    try:
+        assert connect_all(fs) == {}
+        works = [fs[0].allreduce([torch.ones(100)]), fs[1].allreduce([torch.ones(100, dtype=torch.bfloat16)])]
+        for w in works:
+            with pytest.raises(FatalError, match="dtype"):
+                w.wait(5)
+    finally:
+        close_all(fs)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_both_data_paths_agree_bitwise(staged, dtype):
+    fs = make_ring(3, staged=staged)
+    try:
+        assert connect_all(fs) == {}
+        g = torch.Generator().manual_seed(3)
+        base = [torch.randn(7777, generator=g).to(dtype) for _ in range(3)]
+        xs = [b.clone() for b in base]
+        for w in [f.allreduce([x], divisor=3.0) for f, x in zip(fs, xs)]:
+            w.wait(10)
+        assert all(torch.equal(xs[0].view(torch.uint8), x.view(torch.uint8)) for x in xs)
+        want = sum(b.double() for b in base) / 3
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (xs[0].double() - want).abs().max().item() < tol
+    finally:
+        close_all(fs)
+
+
+def test_single_member_ring_only_scales():
+    (f,) = make_ring(1)
+    try:
+        f.reconfigure(1, [f.address], 0)
+        x = torch.full((5,), 4.0)
+        f.allreduce([x], divisor=2.0).wait(1)
+        assert torch.equal(x, torch.full((5,), 2.0))
+    finally:
+        f.close()
+
+
+def test_bad_arguments_are_fatal_at_once():
+    (f,) = make_ring(1)
+    try:
+        with pytest.raises(FatalError, match="contiguous"):
+            f.allreduce([torch.ones(4, 4).t()])
+        with pytest.raises(FatalError, match="op='sum' only"):
+            f.allreduce([torch.ones(4)], op="max")
+        with pytest.raises(FatalError, match="out of range"):
+            f.reconfigure(1, [f.address], 3)
+    finally:
+        f.close()
