@@ -185,12 +185,15 @@ class Coordinator:
     def current(self) -> Optional[Quorum]:
         return self._current
 
-    def quorum(self, step: int, timeout_s: Optional[float] = None) -> Quorum:
+    def quorum(self, step: int, timeout_s: Optional[float] = None, cursor: Optional[int] = None,
+               ring_ok: bool = True) -> Quorum:
         """Report `step` for our next round and return the round's quorum, which includes us.
 
         Blocks until the round is decided, moving to later rounds while we are left out.
         Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
+        self._report = replace(self._report, ring_ok=ring_ok,
+                               cursor=self._report.cursor if cursor is None else cursor)
         self._publish(step, self._next_round)
         started = last_get = self._clock()
         first = True

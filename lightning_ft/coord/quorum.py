@@ -18,8 +18,9 @@ Rules, in order:
 4. Fewer than `min_replicas` valid reports: no quorum, training waits, and says why.
 5. Members are sorted by replica id (the ring order). `max_step` is the highest reported
    step; members at it are `contributors`, the others `lagging`.
-6. The epoch stays when the (replica, incarnation) set is unchanged and goes up by one
-   otherwise; FTAR reconfigures when it changes.
+6. The epoch stays when the (replica, incarnation) set is unchanged and no member asks for
+   a ring reset (`ring_ok=False` after a failed exchange); otherwise it goes up by one.
+   FTAR reconfigures when it changes.
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class Report:
     """Per-rank FTAR addresses, host:port, indexed by local rank."""
     state_addrs: tuple[str, ...] = ()
     """Per-rank catch-up state-server addresses."""
+    cursor: int = 0
+    """Next batch index of this replica's data slot (DESIGN §7)."""
+    ring_ok: bool = True
+    """False after a failed exchange: the ring must be rebuilt even if membership is unchanged."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -74,6 +79,8 @@ class Quorum:
     addrs: tuple[tuple[str, ...], ...] = ()
     """FTAR addresses of each member, aligned with `members`."""
     state_addrs: tuple[tuple[str, ...], ...] = ()
+    cursors: tuple[int, ...] = ()
+    """Reported data cursor of each member, aligned with `members`."""
     reason: str = ""
 
     def index(self, rid: int) -> int:
@@ -92,7 +99,11 @@ class Quorum:
             d[k] = tuple(d[k])
         d["addrs"] = tuple(tuple(a) for a in d.get("addrs", ()))
         d["state_addrs"] = tuple(tuple(a) for a in d.get("state_addrs", ()))
+        d["cursors"] = tuple(d.get("cursors", ()))
         return cls(**d)
+
+    def cursor_of(self, rid: int) -> int:
+        return self.cursors[self.members.index(rid)]
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,11 @@ def compute_quorum(
     if previous is None:
         epoch, change = 0, "first quorum"
     elif member_set == previous.member_set():
-        epoch, change = previous.epoch, "unchanged"
+        broken = [r for r in members if not valid[r].ring_ok]
+        if broken:
+            epoch, change = previous.epoch + 1, f"ring reset requested by {_names(broken)}"
+        else:
+            epoch, change = previous.epoch, "unchanged"
     else:
         epoch = previous.epoch + 1
         before = previous.member_set()
@@ -203,5 +218,6 @@ def compute_quorum(
     q = Quorum(round=round, epoch=epoch, members=members, incarnations=incs, max_step=max_step,
                contributors=contributors, lagging=lagging,
                addrs=tuple(valid[r].addrs for r in members),
-               state_addrs=tuple(valid[r].state_addrs for r in members), reason=reason)
+               state_addrs=tuple(valid[r].state_addrs for r in members),
+               cursors=tuple(valid[r].cursor for r in members), reason=reason)
     return Decision(q, reason, refused)

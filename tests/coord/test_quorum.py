@@ -110,6 +110,14 @@ def test_unchanged_membership_keeps_epoch():
     assert "(unchanged)" in d.reason
 
 
+def test_failed_exchange_bumps_epoch_with_unchanged_members():
+    prev = prev_of(rep(0), rep(1), rep(2), epoch=5)
+    broken = dataclasses.replace(rep(1, 1, round=1), ring_ok=False)
+    d = decide(1, [rep(0, 1, round=1), broken, rep(2, 1, round=1)], previous=prev)
+    assert d.quorum.epoch == 6 and d.quorum.members == (0, 1, 2)
+    assert "(ring reset requested by r1)" in d.reason
+
+
 def test_config_mismatch_is_refused_with_the_differing_field():
     bad = {**FP, "nproc_per_replica": 2}
     d = decide(0, [rep(0), rep(1), rep(2, fp=bad)], waited_s=11)
@@ -186,5 +194,5 @@ def test_random_decisions_obey_invariants(seed):
     assert all(reports[r].step == q.max_step for r in q.contributors)
     assert q.incarnations == tuple(reports[r].incarnation for r in q.members)
     if prev is not None:
-        same = q.member_set() == prev.member_set()
+        same = q.member_set() == prev.member_set() and all(reports[r].ring_ok for r in q.members)
         assert q.epoch == (prev.epoch if same else prev.epoch + 1)

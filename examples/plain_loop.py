@@ -1,0 +1,210 @@
+"""A plain torch training loop on the framework-free replica core (DESIGN §5-§7).
+
+Launched once per rank, by `lightning-ft`'s supervisor or a test, with the environment of
+DESIGN §9 (LFT_JOB, LFT_REPLICA_ID, LFT_NUM_REPLICAS, LFT_ETCD, LFT_SECRET, LFT_INCARNATION,
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). With WORLD_SIZE > 1 the replica runs FSDP2
+(`fully_shard`) over gloo, and FTAR exchanges each rank's gradient shard.
+
+The model is an MLP regressing a fixed random teacher on deterministic synthetic data; the
+batches come from the exactly-once slot stream. The leader prints one JSON line per
+committed step. `--reference` instead runs one process over the same global batches, to
+compare loss trajectories.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_ft.replica.data import SlotStream
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16, help="per replica (split over its ranks)")
+    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--opt", choices=["adam", "sgd"], default="adam")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-mode", default="sqrt")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds of 'compute' per step")
+    p.add_argument("--digest-every", type=int, default=0, help="print a state digest every N steps")
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL self before this step (incarnation 0)")
+    p.add_argument("--kill-in-exchange-at", type=int, default=-1,
+                   help="SIGKILL self a few ms into this step's exchange (incarnation 0)")
+    p.add_argument("--hang-at", type=int, default=-1, help="SIGSTOP self before this step (incarnation 0)")
+    p.add_argument("--fail-commit-at", type=int, default=-1,
+                   help="vote 'failed' after exchanging this step (incarnation 0): a partial completion")
+    p.add_argument("--ttl", type=float, default=3.0)
+    p.add_argument("--ftar-timeout", type=float, default=5.0)
+    p.add_argument("--init-timeout", type=float, default=10.0)
+    p.add_argument("--reference", action="store_true")
+    p.add_argument("--replicas", type=int, default=0, help="reference mode: number of slots")
+    p.add_argument("--world", type=int, default=1, help="reference mode: ranks per replica")
+    return p.parse_args(argv)
+
+
+def build_model(a: argparse.Namespace) -> nn.Module:
+    torch.manual_seed(a.seed)
+    layers: list[nn.Module] = []
+    d = a.dim
+    for _ in range(a.depth):
+        layers += [nn.Linear(d, a.hidden), nn.ReLU()]
+        d = a.hidden
+    layers.append(nn.Linear(d, 1))
+    return nn.Sequential(*layers)
+
+
+def build_optimizer(a: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    if a.opt == "adam":
+        return torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+
+
+class Data:
+    """Deterministic samples: x ~ N(0, 1) from a fixed generator, y = teacher(x)."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(a.samples, a.dim, generator=g)
+        w = torch.randn(a.dim, 1, generator=g) / a.dim ** 0.5
+        self.y = torch.tanh(self.x @ w) + 0.1 * torch.sin(3 * self.x[:, :1])
+
+    def get(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(ids, dtype=torch.long)
+        return self.x[idx], self.y[idx]
+
+
+def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if torch.is_tensor(v):
+                    t = v.to_local() if hasattr(v, "to_local") else v
+                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def emit(**kw) -> None:
+    print(json.dumps({"t": time.time(), **kw}), flush=True)
+
+
+def reference(a: argparse.Namespace) -> int:
+    """One process, the same global batches: every slot's batch k at step k, R*W shards."""
+    model = build_model(a)
+    opt = build_optimizer(a, model)
+    data = Data(a)
+    stream = SlotStream(a.samples, a.batch, a.replicas, seed=a.seed)
+    for step in range(a.steps):
+        ids = [i for s in range(a.replicas) for i in stream.batch(s, step)]
+        x, y = data.get(ids)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        emit(event="step", step=step, loss=loss.item())
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    if a.reference:
+        return reference(a)
+    from lightning_ft.replica.manager import ReplicaManager
+
+    env = os.environ
+    rid, R = int(env["LFT_REPLICA_ID"]), int(env["LFT_NUM_REPLICAS"])
+    inc = int(env.get("LFT_INCARNATION", "0"))
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(1)
+    # Slow init first (DESIGN §6): model, data, process group; register only afterwards.
+    pg = None
+    model = build_model(a)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        pg = dist.group.WORLD
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+    opt = build_optimizer(a, model)
+    data = Data(a)
+    stream = SlotStream(a.samples, a.batch, R, seed=a.seed)
+    mgr = ReplicaManager(model, opt, job=env["LFT_JOB"], rid=rid, incarnation=inc, num_replicas=R,
+                         secret=env.get("LFT_SECRET", "lft"), etcd=env["LFT_ETCD"], rank=rank, world=world, pg=pg,
+                         lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
+                         lr_intervention=a.lr_mode, chunk_bytes=1 << 20, num_chunks=4)
+    mgr.start()
+    leader = rank == 0
+    if leader:
+        emit(event="started", rid=rid, inc=inc, cursor=mgr.cursor)
+    last_t = time.perf_counter()
+    try:
+        while mgr.step < a.steps:
+            if inc == 0 and mgr.step == a.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if inc == 0 and mgr.step == a.hang_at and leader:
+                a.hang_at = -1  # after SIGCONT, carry on
+                os.kill(os.getpid(), signal.SIGSTOP)
+            plan = mgr.start_step()
+            loss = None
+            if plan.contribute:
+                ids = stream.batch(rid, plan.batch_index)[rank::world]
+                x, y = data.get(ids)
+                loss_t = nn.functional.mse_loss(model(x), y)
+                loss_t.backward()
+                loss = loss_t.item()
+                if a.step_sleep:
+                    time.sleep(a.step_sleep)
+            if inc == 0 and plan.step == a.kill_in_exchange_at:
+                threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            vote = mgr.exchange(plan)
+            if inc == 0 and plan.step == a.fail_commit_at:
+                a.fail_commit_at = -1
+                vote = False
+            committed = mgr.commit(vote)
+            if leader:
+                now = time.perf_counter()
+                q = plan.quorum
+                st = mgr.stats
+                row = dict(event="step" if committed else "retry", rid=rid, inc=inc, step=plan.step, loss=loss,
+                           epoch=q.epoch, round=q.round, members=list(q.members), contributors=list(q.contributors),
+                           lagging=list(q.lagging), lr_factor=plan.lr_factor, batch=plan.batch_index,
+                           lag=plan.lagging, dt=now - last_t, quorum_ms=st.quorum_s * 1e3,
+                           reconf_ms=st.reconfigure_s * 1e3, exchange_ms=st.exchange_s * 1e3,
+                           catchup_ms=st.catchup_s * 1e3, catchup_gbps=st.catchup_gbps, freeze_ms=st.freeze_s * 1e3)
+                if a.digest_every and committed and (mgr.step % a.digest_every == 0):
+                    row["digest"] = state_digest(model, opt)
+                emit(**row)
+                last_t = now
+        digests = mgr._gather(state_digest(model, opt))
+        if leader:
+            emit(event="final", rid=rid, inc=inc, step=mgr.step, digest=digests)
+    finally:
+        mgr.close()
+        if world > 1:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

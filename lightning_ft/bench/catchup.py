@@ -1,0 +1,196 @@
+"""Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (DESIGN §6).
+
+    python -m lightning_ft.bench.catchup [--mb 100 400] [--clients 1 2] [--iters 3] [--peer-iters 1]
+
+This process publishes an fp32 state of M MB (four large tensors and a 0-dim step) on a
+`StateServer`. N client subprocesses, each with the state preallocated, fetch it at the same
+time with `fetch_state`. The peer is the naive path: the server pickles the same state with
+`torch.save` into a BytesIO per request and sends it over a plain TCP socket; the client
+receives it whole, `torch.load`s it (weights_only) and copies it into its tensors.
+One JSON line per case, from the median of `iters` timed rounds after one warm-up (the peer:
+median of `peer_iters` rounds, no warm-up; it is 10x slower and would dominate the run time):
+    {"bench": "catchup", "state_mb": M, "clients": N, "gbps": ..., "seconds": ...,
+     "peer_gbps": ..., "peer_seconds": ...}
+gbps is aggregate: N x state bytes / the slowest client's seconds (1e9 bytes per GB).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from lightning_ft.replica.catchup import StateServer, fetch_state
+
+_LEN = struct.Struct(">Q")
+
+
+def _layout(mb: float) -> list[tuple[str, list[int]]]:
+    numel = int(mb * 1e6) // 4 // 4
+    return [(f"layers.{i}.weight", [numel]) for i in range(4)] + [("step", [])]
+
+
+def _state(mb: float) -> dict[str, torch.Tensor]:
+    # The bytes' values do not matter to either path (no compression); full() is fast to make.
+    return {name: torch.full(shape, 0.5 + i) for i, (name, shape) in enumerate(_layout(mb))}
+
+
+# ------------------------------------------------------------------------------- client process
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if not n:
+            raise ConnectionError("peer server closed early")
+        got += n
+
+
+def _peer_fetch(address: str, into: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        head = bytearray(_LEN.size)
+        _recv_exact(sock, memoryview(head))
+        blob = bytearray(_LEN.unpack(head)[0])
+        _recv_exact(sock, memoryview(blob))
+    loaded = torch.load(io.BytesIO(blob), weights_only=True)
+    for name, t in into.items():
+        t.copy_(loaded[name])
+    return time.perf_counter() - t0
+
+
+def _client(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    secret = os.environ["LFT_BENCH_SECRET"].encode()
+    into: dict[str, torch.Tensor] = {}
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd, *rest = line.split()
+        if cmd == "alloc":  # zeros() touches the pages: a lagging replica has its model allocated
+            into = {name: torch.zeros(shape) for name, shape in _layout(float(rest[0]))}
+            out = {"seconds": 0.0}
+        elif cmd == "fetch":
+            _, stats = fetch_state(args.client, int(rest[0]), into, secret, args.fetcher, timeout_s=60)
+            out = {"seconds": stats["seconds"], "bytes": stats["bytes"]}
+        elif cmd == "peer":
+            out = {"seconds": _peer_fetch(rest[0], into)}
+        else:
+            return
+        print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------- server process
+
+
+class _PeerServer:
+    """torch.save per request into a BytesIO, then length-prefixed over a plain socket."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = io.BytesIO()
+            torch.save(self.state, buf)
+            view = buf.getbuffer()
+            conn.sendall(_LEN.pack(len(view)))
+            conn.sendall(view)
+            del view
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _round(clients: list[subprocess.Popen], command: str) -> float:
+    """Send one command to every client at once; the slowest client's seconds."""
+    for p in clients:
+        p.stdin.write(command + "\n")
+        p.stdin.flush()
+    results = [json.loads(p.stdout.readline()) for p in clients]
+    return max(r["seconds"] for r in results)
+
+
+def _start_clients(address: str, n: int) -> list[subprocess.Popen]:
+    env = dict(os.environ, LFT_BENCH_SECRET="bench-secret")
+    clients = [subprocess.Popen([sys.executable, "-m", "lightning_ft.bench.catchup", "--client", address,
+                                 "--fetcher", f"lagger{i}"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+               for i in range(n)]
+    for p in clients:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench client pid {p.pid} exited at start (rc {p.wait()})")
+    return clients
+
+
+def _case(mb: float, clients: list[subprocess.Popen], iters: int, peer_iters: int, peer: _PeerServer,
+          version: int) -> dict:
+    n = len(clients)
+    _round(clients, f"alloc {mb}")
+    nbytes = n * sum(t.numel() * t.element_size() for t in peer.state.values())
+    ours = [_round(clients, f"fetch {version}") for _ in range(iters + 1)][1:]
+    theirs = [_round(clients, f"peer {peer.address}") for _ in range(peer_iters)]
+    s, ps = statistics.median(ours), statistics.median(theirs)
+    return {"bench": "catchup", "state_mb": mb, "clients": n, "gbps": round(nbytes / s / 1e9, 3),
+            "seconds": round(s, 4), "peer_gbps": round(nbytes / ps / 1e9, 3), "peer_seconds": round(ps, 4)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=float, nargs="+", default=[100, 400])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--peer-iters", type=int, default=1, help="the peer is slow; it needs no warm-up")
+    ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as a client of this address
+    ap.add_argument("--fetcher", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        return _client(args)
+    server = StateServer(b"bench-secret", name="bench")
+    clients = _start_clients(server.address, max(args.clients))
+    try:
+        for version, mb in enumerate(args.mb):
+            state = _state(mb)
+            server.publish(version, state, {"step": version}, expected=set())
+            peer = _PeerServer(state)
+            try:
+                for n in args.clients:
+                    case = _case(mb, clients[:n], args.iters, args.peer_iters, peer, version)
+                    print(json.dumps(case), flush=True)
+            finally:
+                peer.close()
+    finally:
+        for p in clients:
+            p.stdin.close()  # EOF ends the client loop
+        for p in clients:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        server.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Launch replicas of examples/plain_loop.py locally, as real processes, for tests and benchmarks.
+
+It plays the supervisor's part by hand, so that tests control exactly when a replica is
+killed, stopped, evicted and restarted. Every process is tracked by PID and killed at close.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from lightning_ft.coord.etcd_server import free_port
+from lightning_ft.coord.store import EtcdStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo checkout
+LOOP = os.path.join(ROOT, "examples", "plain_loop.py")
+
+
+class Replica:
+    def __init__(self, job: "Job", rid: int, inc: int) -> None:
+        self.rid, self.inc = rid, inc
+        self.procs: list[subprocess.Popen] = []
+        self.rows: list[dict] = []
+        self.cv = threading.Condition()
+        port = free_port()
+        for rank in range(job.world):
+            env = {**os.environ, "LFT_JOB": job.name, "LFT_REPLICA_ID": str(rid), "LFT_NUM_REPLICAS": str(job.R),
+                   "LFT_ETCD": job.etcd, "LFT_SECRET": "test-secret", "LFT_INCARNATION": str(inc),
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.world),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            log = open(os.path.join(job.log_dir, f"r{rid}.i{inc}.rank{rank}.log"), "w")
+            p = subprocess.Popen([sys.executable, LOOP, *job.args, *job.extra.get((rid, inc), [])], env=env,
+                                 stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
+            self.procs.append(p)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.procs[0].stdout:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            with self.cv:
+                self.rows.append(row)
+                self.cv.notify_all()
+
+    def steps(self, event: str = "step") -> list[dict]:
+        with self.cv:
+            return [r for r in self.rows if r.get("event") == event]
+
+    def wait_for(self, pred: Callable[[dict], bool], timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while True:
+                for r in self.rows:
+                    if pred(r):
+                        return r
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"replica {self.rid}.{self.inc} never matched; exit codes "
+                                         f"{[p.poll() for p in self.procs]}; last rows {self.rows[-3:]}")
+                self.cv.wait(min(left, 0.1))
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class Job:
+    """R replicas x W ranks of the plain loop against one etcd."""
+
+    def __init__(self, etcd: str, tmp: str, R: int = 3, world: int = 1, args: tuple[str, ...] = (),
+                 extra: Optional[dict] = None) -> None:
+        self.etcd, self.R, self.world = etcd, R, world
+        self.name = "t" + uuid.uuid4().hex[:8]
+        self.args = list(args)
+        self.extra = extra or {}
+        self.log_dir = str(tmp)
+        self.replicas: dict[int, Replica] = {}
+        self.history: list[Replica] = []
+        self.store = EtcdStore(etcd)
+        self.root = f"/lft/{self.name}/"
+
+    def start(self, rid: int, inc: int = 0) -> Replica:
+        r = Replica(self, rid, inc)
+        self.replicas[rid] = r
+        self.history.append(r)
+        return r
+
+    def start_all(self) -> None:
+        for rid in range(self.R):
+            self.start(rid)
+
+    def evict(self, rid: int, reason: str = "killed by test") -> float:
+        t = time.time()
+        self.store.put(f"{self.root}evict/{rid}/{self.replicas[rid].inc}", reason.encode())
+        return t
+
+    def wait_exit(self, rid: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.replicas[rid].alive():
+            assert time.monotonic() < deadline, f"replica {rid} did not exit"
+            time.sleep(0.005)
+
+    def wait_done(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for r in self.replicas.values():
+            for p in r.procs:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"replica {r.rid} did not finish; last rows {r.rows[-3:]}")
+                assert p.returncode == 0, f"replica {r.rid} rank exited {p.returncode}; see {self.log_dir}"
+
+    def finals(self) -> dict[int, list[str]]:
+        return {rid: r.wait_for(lambda x: x.get("event") == "final", 5)["digest"] for rid, r in self.replicas.items()}
+
+    def close(self) -> None:
+        for r in self.history:
+            r.kill()
+        self.store.close()

@@ -1,0 +1,373 @@
+"""The per-step protocol of one replica rank, framework-free (DESIGN §5, §6).
+
+    mgr = ReplicaManager(model, optimizer, ...)      # after the slow init (model, data)
+    mgr.start()                                      # FTAR + state server; the leader registers
+    while mgr.step < max_steps:
+        plan = mgr.start_step()                      # quorum, ring, snapshot or catch-up role
+        if plan.contribute:
+            loss = model(batch(plan.batch_index)).backward()
+        if mgr.commit(mgr.exchange(plan)):           # FTAR exchange, then 2PC inside the replica
+            ...                                      # committed: step advanced
+        # else: retried next round with a new quorum
+
+Roles per round. Contributors train and send their gradients; lagging replicas skip forward
+and backward, send zeros, fetch the healthy state (version = committed steps) from
+`contributors[(rid + rank) % len]` while their zeros are on the wire, and apply the same
+optimizer step, so they end the step identical to everyone. The divisor is the number of
+contributors. Healthy ranks publish live references to their state when someone lags and
+freeze (copy) only what has not been fetched by the time their optimizer steps.
+
+Two-phase commit: each rank votes (exchange ok, catch-up ok); an all-reduce MIN over the
+replica's own process group decides. All apply the step, or none does and the step is
+retried. Only the leader (local rank 0) talks to etcd; it broadcasts the quorum to its ranks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.quorum import JobSpec, Quorum
+from lightning_ft.coord.store import EtcdStore, Store
+from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.transport.base import FTARError, FatalError
+from lightning_ft.replica import data as ledger
+from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
+
+log = logging.getLogger(__name__)
+
+LR_MODES = ("none", "linear", "sqrt")
+
+
+def lr_factor(mode: str, healthy: int, total: int) -> float:
+    """f(healthy/total) for the LR intervention: 1, x or sqrt(x)."""
+    x = healthy / total
+    if mode == "none":
+        return 1.0
+    if mode == "linear":
+        return x
+    if mode == "sqrt":
+        return math.sqrt(x)
+    raise ValueError(f"lr_intervention {mode!r} is not one of {LR_MODES}")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    """The step this round trains (committed steps of the healthy replicas)."""
+    quorum: Quorum
+    lagging: bool
+    divisor: int
+    lr_factor: float
+    batch_index: int
+    """The batch of this replica's slot to train (contributors only)."""
+
+    @property
+    def contribute(self) -> bool:
+        return not self.lagging
+
+
+@dataclass
+class StepStats:
+    quorum_s: float = 0.0
+    reconfigure_s: float = 0.0
+    exchange_s: float = 0.0
+    catchup_s: float = 0.0
+    catchup_gbps: float = 0.0
+    freeze_s: float = 0.0
+    retries: int = 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class ReplicaManager:
+    """One per rank. The leader (rank 0 of the replica) also owns the Coordinator."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rid: int,
+                 incarnation: int, num_replicas: int, secret: str, etcd: str = "", store: Optional[Store] = None,
+                 rank: int = 0, world: int = 1, pg: Any = None, min_replicas: int = 1, prefix: str = "/lft",
+                 lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0, init_timeout_s: float = 10.0,
+                 lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20, num_chunks: int = 4,
+                 ftar_timeout_s: float = 5.0, quorum_timeout_s: float = 300.0, bind_host: str = "127.0.0.1",
+                 fingerprint: Optional[dict] = None, scheduler: Any = None) -> None:
+        if lr_intervention not in LR_MODES:
+            raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.job, self.rid, self.incarnation = job, rid, incarnation
+        self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
+        self.secret = secret
+        self._etcd, self._store = etcd, store
+        self.prefix = prefix
+        self.root = f"{prefix.rstrip('/')}/{job}/"
+        self.lr_mode = lr_intervention
+        self.quorum_timeout_s = quorum_timeout_s
+        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s,
+                            fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
+        self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s)
+        self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
+                             connect_timeout_s=max(2.0, ftar_timeout_s), bind_host=bind_host)
+        self.step = 0
+        """Committed steps of this replica (its state is at the end of step `step - 1`)."""
+        self.cursor = 0
+        self.coord: Optional[Coordinator] = None
+        self.ftar: Optional[FTAR] = None
+        self.server: Optional[StateServer] = None
+        self._epoch = -1
+        self._ring_ok = True
+        self._flat: Optional[torch.Tensor] = None
+        self._exchange_ok = False
+        self.stats = StepStats()
+        self.last_plan: Optional[StepPlan] = None
+        self.on_commit: Optional[Callable[[StepPlan], None]] = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # -- setup ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open FTAR and the state server; the leader registers with etcd. Do slow init first."""
+        self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
+        self.server = StateServer(self.secret.encode(), name=f"r{self.rid}/rank{self.rank}")
+        addrs = self._gather((self.ftar.address, self.server.address))
+        if self.is_leader:
+            if self._store is None:
+                self._store = EtcdStore(self._etcd)
+            self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
+                                     on_failure=self._on_failure, **self._coord_kw)
+            self.cursor = ledger.read_cursor(self._store, self.root, self.rid)
+            self.coord.register(self.step, addrs=[a for a, _ in addrs], state_addrs=[s for _, s in addrs])
+        self.cursor = self._broadcast(self.cursor)
+
+    def _on_failure(self, rid: int, reason: str) -> None:
+        """Eviction or lease expiry of a current member: interrupt our exchange at once."""
+        if self.ftar is not None:
+            self.ftar.abort(f"replica {rid} {reason}")
+
+    def _gather(self, obj: Any) -> list:
+        if self.pg is None and self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.pg is None and self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    # -- step 1: quorum ----------------------------------------------------------------------------
+    def start_step(self) -> StepPlan:
+        t0 = time.perf_counter()
+        msg: Any = None
+        if self.is_leader:
+            try:
+                self.coord.heartbeat()
+                self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid))
+                q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
+                                      ring_ok=self._ring_ok)
+                if self.rid in q.lagging:
+                    # Read after the decision: the contributors recorded the previous step
+                    # (possibly with our batch, if we failed to commit it) before reporting.
+                    self.cursor = ledger.read_cursor(self._store, self.root, self.rid)
+                msg = (q, self.cursor)
+            except Exception as e:  # Evicted, QuorumTimeout, StoreError: every rank must exit
+                msg = e
+        msg = self._broadcast(msg)
+        if isinstance(msg, Exception):
+            raise msg
+        q, self.cursor = msg
+        self.stats = StepStats(quorum_s=time.perf_counter() - t0, retries=self.stats.retries)
+        if q.epoch != self._epoch:  # a failed exchange (ring_ok=False) always bumps the epoch
+            ring = [q.addrs[i][self.rank] for i in range(len(q.members))]
+            self.stats.reconfigure_s = self.ftar.reconfigure(q.epoch, ring, q.index(self.rid))
+            self._epoch = q.epoch
+            self._ring_ok = True
+        lagging = self.rid in q.lagging
+        if not lagging and q.lagging:
+            self._publish_snapshot(q)
+        plan = StepPlan(step=q.max_step, quorum=q, lagging=lagging, divisor=len(q.contributors),
+                        lr_factor=lr_factor(self.lr_mode, len(q.contributors), self.R),
+                        batch_index=self.cursor)
+        self.last_plan = plan
+        return plan
+
+    # -- step 2-3: exchange (and catch-up) ------------------------------------------------------------
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _flat_buffer(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise FatalError(f"replica {self.rid}: parameters of mixed dtypes {sorted(map(str, dtypes))}; "
+                             "FTAR exchanges one flat bucket per step, so use one parameter dtype")
+        numel = sum(_local(p).numel() for p in params)
+        if self._flat is None or self._flat.numel() != numel:
+            self._flat = torch.zeros(numel, dtype=params[0].dtype)
+        return self._flat
+
+    def exchange(self, plan: StepPlan) -> bool:
+        """Average gradients over the contributors through FTAR (lagging: zeros, and catch up
+        meanwhile). Returns this rank's vote."""
+        t0 = time.perf_counter()
+        params = self._params()
+        flat = self._flat_buffer(params)
+        if plan.lagging:
+            flat.zero_()
+        else:
+            torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else torch.zeros(_local(p).numel())
+                       for p in params], out=flat)
+        ok = True
+        work = self.ftar.allreduce([flat], divisor=float(plan.divisor))
+        if plan.lagging:  # fetch the healthy state while our zeros are on the wire
+            ok = self._catch_up(plan)
+        try:
+            work.wait(self.ftar.timeout_s * 4 + 10)
+        except FatalError:
+            raise
+        except FTARError as e:
+            log.warning("replica %d rank %d: exchange of step %d failed: %s", self.rid, self.rank, plan.step, e)
+            self._ring_ok = False
+            ok = False
+        if ok:
+            off = 0
+            for p in params:
+                local = _local(p)
+                n = local.numel()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _local(p.grad).view(-1).copy_(flat[off:off + n])
+                off += n
+        self.stats.exchange_s = time.perf_counter() - t0
+        return ok
+
+    # -- catch-up --------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's state shard as named local tensors: parameters, buffers, optimizer state."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            out[f"param.{name}"] = _local(p.data if not hasattr(p, "to_local") else p).detach()
+        for name, b in self.model.named_buffers():
+            out[f"buffer.{name}"] = _local(b).detach()
+        for i, p in enumerate(self._params()):
+            for key, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(v):
+                    out[f"optim.{i}.{key}"] = _local(v).detach()
+        return out
+
+    def _meta(self) -> dict:
+        return {
+            "step": self.step,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+    def _publish_snapshot(self, q: Quorum) -> None:
+        expected = set()
+        for lag in q.lagging:
+            if q.contributors[(lag + self.rank) % len(q.contributors)] == self.rid:
+                expected.add(f"{lag}/{self.rank}")
+        self.server.publish(self.step, self.state_tensors(), self._meta(), expected)
+
+    def _materialize_optimizer_state(self) -> None:
+        """A fresh replica has no optimizer state yet; take one step with zero grads and lr 0
+        so that every state tensor exists (its values are overwritten by the catch-up)."""
+        params = self._params()
+        if all(self.optimizer.state.get(p) for p in params):
+            return
+        saved = [(g, g["lr"]) for g in self.optimizer.param_groups]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g, _ in saved:
+            g["lr"] = 0.0
+        self.optimizer.step()
+        for g, lr in saved:
+            g["lr"] = lr
+        for p, gr in zip(params, grads):
+            p.grad = gr
+
+    def _catch_up(self, plan: StepPlan) -> bool:
+        q = plan.quorum
+        src = q.contributors[(self.rid + self.rank) % len(q.contributors)]
+        addr = q.state_addrs[q.index(src)][self.rank]
+        t0 = time.perf_counter()
+        try:
+            self._materialize_optimizer_state()
+            into = self.state_tensors()
+            with torch.no_grad():
+                meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
+                                          timeout_s=max(10.0, self.ftar.timeout_s * 2))
+        except CatchupError as e:
+            log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
+            return False
+        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+            g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
+        if self.scheduler is not None and meta.get("scheduler") is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        self.step = plan.step
+        self.stats.catchup_s = time.perf_counter() - t0
+        self.stats.catchup_gbps = stats.get("gbps", 0.0)
+        log.info("replica %d rank %d caught up to step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid,
+                 self.rank, plan.step, src, stats["bytes"] / 1e6, stats["seconds"], stats["gbps"])
+        return True
+
+    # -- step 4-5: two-phase commit and the LR factor ---------------------------------------------------
+    def commit(self, vote: bool) -> bool:
+        """All ranks of the replica apply the optimizer step, or none does."""
+        plan = self.last_plan
+        ok = self._vote(vote)
+        if not ok:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.stats.retries += 1
+            self._ring_ok = False  # peers may be mid-collective: rebuild the ring next round
+            return False
+        self.stats.freeze_s = self.server.freeze()
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * plan.lr_factor
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, saved):
+                g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = plan.step + 1
+        if plan.contribute:
+            self.cursor = plan.batch_index + 1
+        if self.is_leader:
+            q = plan.quorum
+            ledger.record_commit(self._store, self.root, plan.step, self.rid, q.epoch, q.round,
+                                 {c: q.cursor_of(c) for c in q.contributors})
+        if self.on_commit is not None:
+            self.on_commit(plan)
+        return True
+
+    def _vote(self, vote: bool) -> bool:
+        if self.pg is None and self.world == 1:
+            return vote
+        t = torch.tensor([1 if vote else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t.item())
+
+    # -- shutdown -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.coord is not None:
+            self.coord.close(revoke=True)
+        if self.ftar is not None:
+            self.ftar.close()
+        if self.server is not None:
+            self.server.close()
+        if self._store is not None and self._etcd:
+            self._store.close()

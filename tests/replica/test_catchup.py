@@ -1,0 +1,278 @@
+"""Tests for the catch-up transport (lightning_ft/replica/catchup.py, DESIGN §6)."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_ft.replica.catchup import CatchupError, StateServer, _request_headers, fetch_state
+
+SECRET = b"job-secret"
+
+
+@pytest.fixture
+def server():
+    srv = StateServer(SECRET, name="r0/rank0")
+    yield srv
+    srv.close()
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w32": torch.randn(64, 33, generator=g),
+        "wbf16": torch.randn(17, 5, generator=g).to(torch.bfloat16),
+        "wfp16": torch.randn(3, 7, 2, generator=g).to(torch.float16),
+        "idx64": torch.randint(-(2**40), 2**40, (11,), generator=g, dtype=torch.int64),
+        "step": torch.tensor(41, dtype=torch.int64),  # 0-dim
+        "lr0": torch.tensor(3e-4, dtype=torch.float32),  # 0-dim
+        "empty": torch.empty(0, 4, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+    }
+
+
+def _like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Preallocated destinations filled with junk, so an unwritten byte shows."""
+    return {n: torch.full_like(t, 7) if t.dtype != torch.bool else torch.zeros_like(t) for n, t in state.items()}
+
+
+def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(
+        a[n].shape == b[n].shape and a[n].dtype == b[n].dtype
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)) for n in a)
+
+
+def _wait_completed(server: StateServer, want: set[str], timeout_s: float = 5.0) -> set[str]:
+    """The server counts a fetcher once its ACK arrives, just after fetch_state returns."""
+    deadline = time.monotonic() + timeout_s
+    while server.completed() != want and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return server.completed()
+
+
+META = {"step": 41, "scheduler": {"last_epoch": 41, "_last_lr": [0.0003]}, "rng": [1, 2, 3, 2**63 - 1],
+        "groups": [{"lr": 3e-4, "betas": [0.9, 0.95]}]}
+
+
+def test_roundtrip_all_dtypes_bitwise_with_meta(server):
+    state = _state()
+    state["wbf16"][0, 0] = float("nan")  # bit patterns survive, not just values
+    server.publish(41, state, META, expected={"r1/rank0"})
+    into = _like(state)
+    meta, stats = fetch_state(server.address, 41, into, SECRET, "r1/rank0")
+    assert _bitwise_equal(into, state)
+    assert meta == META
+    assert stats["bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert stats["seconds"] > 0 and stats["gbps"] > 0
+    assert _wait_completed(server, {"r1/rank0"}) == {"r1/rank0"}
+
+
+def test_wrong_secret_is_refused_as_authentication(server):
+    server.publish(3, _state(), {})
+    with pytest.raises(CatchupError, match="authentication") as e:
+        fetch_state(server.address, 3, _like(_state()), b"other-secret", "r1/rank0")
+    assert "same job secret" in str(e.value)
+    assert server.completed() == set()
+
+
+def test_stale_timestamp_and_replayed_nonce_are_refused(server):
+    server.publish(3, _state(), {})
+
+    def get(nonce: str, stamp: str) -> int:
+        tag = hmac.new(SECRET, f"3|f|{nonce}|{stamp}".encode(), hashlib.sha256).hexdigest()
+        host, port = server.address.split(":")
+        c = http.client.HTTPConnection(host, int(port), timeout=5)
+        c.request("GET", "/state/3", headers={"X-LFT-Fetcher": "f", "X-LFT-Nonce": nonce,
+                                              "X-LFT-Time": stamp, "X-LFT-Auth": tag})
+        r = c.getresponse()
+        r.read()
+        c.close()
+        return r.status
+
+    assert get("aa", str(int(time.time()) - 120)) == 401
+    assert get("bb", str(int(time.time()))) == 200
+    assert get("bb", str(int(time.time()))) == 401  # same nonce again
+
+
+def test_wrong_version_names_the_servers_version(server):
+    server.publish(13, _state(), {})
+    with pytest.raises(CatchupError, match=r"\(version 12\) failed: server has version 13; .*moved on"):
+        fetch_state(server.address, 12, _like(_state()), SECRET, "r1/rank0")
+
+
+def test_nothing_published_or_retired_fails(server):
+    with pytest.raises(CatchupError, match="nothing published"):
+        fetch_state(server.address, 1, _like(_state()), SECRET, "r1/rank0")
+    server.publish(1, _state(), {})
+    server.retire()
+    with pytest.raises(CatchupError, match="nothing published"):
+        fetch_state(server.address, 1, _like(_state()), SECRET, "r1/rank0")
+    assert server.completed() == set()
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda s: s.__setitem__("wbf16", torch.zeros(17, 5, dtype=torch.float16)), r"'wbf16': server has dtype bfloat16"),
+    (lambda s: s.__setitem__("w32", torch.zeros(64, 34)), r"'w32': server has shape \[64, 33\]"),
+    (lambda s: s.__setitem__("renamed", s.pop("mask")), r"#7 'renamed': server has name mask"),
+    (lambda s: s.pop("mask"), r"server has 8 tensors, the local state 7 \(first unmatched: 'mask'\)"),
+], ids=["dtype", "shape", "name", "count"])
+def test_layout_mismatch_names_the_tensor(server, change, needle):
+    state = _state()
+    server.publish(5, state, {})
+    into = _like(state)
+    change(into)
+    with pytest.raises(CatchupError, match=needle):
+        fetch_state(server.address, 5, into, SECRET, "r1/rank0")
+    assert server.completed() == set()
+
+
+def test_closed_server_fails_fast_not_hangs():
+    srv = StateServer(SECRET)
+    srv.publish(1, _state(), {})
+    address = srv.address
+    srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(CatchupError, match=f"catch-up from {address} \\(version 1\\) failed"):
+        fetch_state(address, 1, _like(_state()), SECRET, "r1/rank0", timeout_s=2.0)
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_silent_server_times_out_within_timeout():
+    lst = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never answers
+    try:
+        address = f"127.0.0.1:{lst.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(CatchupError, match="no progress for 0.5 s"):
+            fetch_state(address, 1, _like(_state()), SECRET, "r1/rank0", timeout_s=0.5)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        lst.close()
+
+
+def test_publish_does_not_copy_fetch_sees_live_mutation(server):
+    state = _state()
+    server.publish(2, state, {}, expected={"r1/rank0"})
+    state["w32"].mul_(2)  # before any fetch and before freeze: the publication is live
+    into = _like(state)
+    fetch_state(server.address, 2, into, SECRET, "r1/rank0")
+    assert torch.equal(into["w32"], state["w32"])
+
+
+def test_freeze_with_pending_fetcher_serves_pre_freeze_values(server):
+    state = _state()
+    snapshot = {n: t.clone() for n, t in state.items()}
+    server.publish(2, state, META, expected={"r1/rank0", "r2/rank0"})
+    fetch_state(server.address, 2, _like(state), SECRET, "r1/rank0")
+    _wait_completed(server, {"r1/rank0"})
+    assert server.freeze() >= 0
+    assert server.frozen_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    for t in state.values():  # the owner's optimizer step
+        t.copy_(torch.ones_like(t))
+    into = _like(state)
+    meta, _ = fetch_state(server.address, 2, into, SECRET, "r2/rank0")
+    assert _bitwise_equal(into, snapshot)
+    assert not _bitwise_equal(into, state)
+    assert meta == META
+    assert _wait_completed(server, {"r1/rank0", "r2/rank0"}) == {"r1/rank0", "r2/rank0"}
+
+
+def test_freeze_after_all_expected_fetchers_is_free_and_drops_the_state(server):
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MB
+    server.publish(9, state, {}, expected={"r1/rank0"})
+    fetch_state(server.address, 9, {n: torch.empty_like(t) for n, t in state.items()}, SECRET, "r1/rank0")
+    assert _wait_completed(server, {"r1/rank0"}) == {"r1/rank0"}
+    seconds = server.freeze()
+    assert seconds < 5e-3
+    assert server.frozen_bytes == 0
+    assert server.freeze() < 5e-3  # idempotent
+    with pytest.raises(CatchupError, match="no longer holds its tensors"):
+        fetch_state(server.address, 9, {n: torch.empty_like(t) for n, t in state.items()}, SECRET, "late")
+
+
+def test_freeze_cuts_off_a_stalled_fetcher_instead_of_blocking_training(server):
+    server.freeze_wait_s = 0.2
+    state = {"w": torch.randn(8 << 20)}  # 32 MB: more than the loopback socket buffers hold
+    snapshot = state["w"].clone()
+    server.publish(1, state, {}, expected={"stalled", "r2"})
+    host, port = server.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as stalled:  # asks, then never reads
+        headers = "".join(f"{k}: {v}\r\n" for k, v in _request_headers(SECRET, 1, "stalled").items())
+        stalled.sendall(f"GET /state/1 HTTP/1.0\r\n{headers}\r\n".encode())
+        time.sleep(0.3)  # the server fills the socket buffers and blocks in a chunk send
+        t0 = time.monotonic()
+        server.freeze()
+        waited = time.monotonic() - t0
+        state["w"].add_(1.0)
+    assert 0.15 < waited < 1.5  # it waited freeze_wait_s for the stalled send, then shut it down
+    into = {"w": torch.empty_like(snapshot)}
+    fetch_state(server.address, 1, into, SECRET, "r2")
+    assert torch.equal(into["w"], snapshot)
+    assert _wait_completed(server, {"r2"}) == {"r2"}
+
+
+def test_freeze_without_publication_is_a_noop(server):
+    assert server.freeze() < 5e-3
+    assert server.frozen_bytes == 0
+
+
+def test_concurrent_fetchers_all_get_correct_data(server):
+    state = {f"w{i}": torch.randn(1 << 19) for i in range(4)}  # 8 MB
+    server.publish(4, state, {"step": 4}, expected={f"r{i}" for i in range(4)})
+    intos = [{n: torch.empty_like(t) for n, t in state.items()} for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fetch_state(server.address, 4, intos[i], SECRET, f"r{i}")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert errors == []
+    assert all(_bitwise_equal(into, state) for into in intos)
+    assert _wait_completed(server, {f"r{i}" for i in range(4)}) == {f"r{i}" for i in range(4)}
+
+
+def test_fetch_racing_freeze_and_mutation_is_never_torn(server):
+    state = {f"w{i}": torch.randn(1 << 19) for i in range(6)}  # 12 MB: the fetch spans the freeze
+    into = {n: torch.empty_like(t) for n, t in state.items()}
+    cloned_mb = []  # 12: froze before the fetch began, 0: after it ended, between: during it
+    for round_ in range(20):
+        snapshot = {n: t.clone() for n, t in state.items()}
+        server.publish(round_, state, {"round": round_}, expected={"lagger"})
+        result: dict = {}
+        fetcher = threading.Thread(target=lambda: result.update(
+            out=fetch_state(server.address, round_, into, SECRET, "lagger")))
+        fetcher.start()
+        time.sleep(0.0005 * round_)  # freeze before, during and after the fetch
+        server.freeze()
+        cloned_mb.append(server.frozen_bytes >> 20)
+        for t in state.values():
+            t.add_(1.0)
+        fetcher.join(20)
+        assert result["out"][0] == {"round": round_}
+        assert _bitwise_equal(into, snapshot), f"torn or mutated read in round {round_}"
+    print(f"MB cloned by freeze per round: {cloned_mb}")
+
+
+def test_throughput_100mb(server):
+    state = {f"w{i}": torch.randn(25 << 18) for i in range(4)}  # 4 x 25 MB = 100 MiB fp32
+    into = {n: torch.empty_like(t) for n, t in state.items()}
+    server.publish(1, state, {}, expected={"a", "b"})
+    fetch_state(server.address, 1, into, SECRET, "a")  # warm the destination pages
+    _, stats = fetch_state(server.address, 1, into, SECRET, "b")
+    print(f"catch-up loopback: {stats['bytes'] / 1e6:.0f} MB in {stats['seconds'] * 1e3:.0f} ms "
+          f"= {stats['gbps']:.2f} GB/s")
+    assert stats["bytes"] == 100 << 20
+    assert _bitwise_equal(into, state)
+    assert stats["gbps"] >= 0.5
