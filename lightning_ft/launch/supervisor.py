@@ -1,0 +1,477 @@
+"""Spawns R replicas of W processes each, restarts failed ones and evicts them at once (DESIGN §9).
+
+One `Supervisor` owns the processes of some replicas of a job (all of them on one machine;
+a disjoint `replica_ids` subset per node when several supervisors share one etcd). Each
+process is started in its own session, so a Ctrl-C aimed at the supervisor does not reach
+it implicitly, and is cleaned up by PID (its process group, which holds its own children).
+
+A replica fails when one of its processes exits non-zero or by a signal, or when it hangs:
+its leader's `members/{rid}` key (DESIGN §3) existed for the current incarnation and then
+vanished (lease expired) while the leader process still runs. Then the supervisor
+
+1. SIGKILLs the rest of the replica,
+2. writes `{prefix}/{job}/evict/{rid}/{inc}` at once, so the other replicas drop it without
+   waiting for its lease to expire,
+3. restarts it with incarnation + 1 after `restart_delay_s`, or, when a downtime is set for
+   the replica, once the job has advanced that many steps; it gives up after `max_restarts`.
+
+Every event is one JSON line in `{run_dir}/events.jsonl`; each process logs to
+`{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log`.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from lightning_ft.coord.etcd_server import free_port
+from lightning_ft.coord.store import EtcdStore, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+TERM_GRACE_S = 3.0
+"""shutdown() waits this long after SIGTERM before it SIGKILLs what is left."""
+REAP_TIMEOUT_S = 5.0
+"""Bound on waiting for a SIGKILLed process to be reaped."""
+
+EXIT_TIMEOUT = 124
+"""run() returns this when `timeout_s` passed (as timeout(1) does)."""
+EXIT_GAVE_UP = 1
+"""run() returns this when every replica stopped and at least one was given up on."""
+
+
+@dataclass
+class ReplicaSpec:
+    """A replica this supervisor owns: its id and its number of processes (W)."""
+
+    rid: int
+    nproc: int
+
+
+@dataclass
+class _Replica:
+    """Supervision state of one replica."""
+
+    spec: ReplicaSpec
+    incarnation: int = 0
+    state: str = "restarting"
+    """"running" | "restarting" | "done" | "failed" | "stopped" (after shutdown)."""
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    """Indexed by local rank; kept after exit so the return codes stay readable."""
+    logged_exits: set[int] = field(default_factory=set)
+    """Ranks whose clean exit is already in the event log."""
+    port: int = 0
+    """MASTER_PORT of the current incarnation."""
+    restarts: int = 0
+    last_event: str = ""
+    step: Optional[int] = None
+    """The last step its leader reported in `members/{rid}` (hang_check only)."""
+    kill_reason: str = ""
+    """Why kill_replica() signalled it; added to the eviction reason."""
+    member_seen: bool = False
+    """Its leader's member key existed for the current incarnation."""
+    missing_since: Optional[float] = None
+    """When the member key was first seen gone after member_seen."""
+    restart_at: float = 0.0
+    """Monotonic time of the next start (time-based restart)."""
+    restart_step: Optional[int] = None
+    """Restart once the job's step reaches this (downtime-based restart)."""
+    failed_at: float = 0.0
+
+    @property
+    def rid(self) -> int:
+        return self.spec.rid
+
+
+class Supervisor:
+    """Starts, watches and restarts the replicas `replica_ids` (default: all `replicas`) of one job."""
+
+    def __init__(self, cmd: list[str], *, replicas: int, nproc_per_replica: int, job: str, etcd: str, secret: str,
+                 run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 1.0,
+                 max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
+                 prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
+                 hang_grace_s: float = 2.0) -> None:
+        """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
+        while the leader still runs (a leader that revokes its lease on a clean exit is not hung)."""
+        ids = list(range(replicas)) if replica_ids is None else list(replica_ids)
+        bad = [r for r in ids if not 0 <= r < replicas]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"replica_ids {ids} must be distinct and between 0 and replicas - 1 ({replicas - 1})")
+        if nproc_per_replica < 1:
+            raise ValueError(f"nproc_per_replica={nproc_per_replica} must be >= 1")
+        self.cmd = list(cmd)
+        self.replicas = replicas
+        self.job = job
+        self.etcd = etcd
+        self.run_dir = run_dir
+        self.restart_delay_s = restart_delay_s
+        self.max_restarts = max_restarts
+        self.hang_check = hang_check
+        self.hang_grace_s = hang_grace_s
+        self._secret = secret
+        self._extra_env = dict(env or {})
+        self._root = f"{prefix.rstrip('/')}/{job}/"
+        self._downtime = dict(downtime_steps or {})
+        self._replicas = {rid: _Replica(ReplicaSpec(rid, nproc_per_replica)) for rid in ids}
+        self._own_store = store is None
+        self._store = store if store is not None else EtcdStore(etcd)
+        self._lock = threading.RLock()
+        self._stragglers: list[subprocess.Popen] = []
+        """SIGKILLed processes that were not reaped within REAP_TIMEOUT_S; shutdown() retries them."""
+        self._started = False
+        self._shut_down = False
+        self._signalled: Optional[int] = None
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        self._events = open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8")
+
+    # -- public API -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every replica in incarnation 0."""
+        with self._lock:
+            if self._started or self._shut_down:
+                raise RuntimeError("this Supervisor was already started; create a new one to start the job again")
+            atexit.register(self.shutdown)
+            self._started = True
+            for rep in self._replicas.values():
+                self._launch(rep)
+
+    def set_downtime(self, rid: int, steps: int) -> None:
+        """From now on, after a failure keep replica `rid` down until the job advances `steps`
+        steps (instead of restarting after restart_delay_s); 0 restores the delay."""
+        self._replica(rid)
+        self._downtime[rid] = steps
+
+    def poll(self) -> None:
+        """One supervision pass: reap exits, detect hangs, restart due replicas. Does not wait
+        for processes; its etcd reads and writes have deadlines."""
+        with self._lock:
+            if self._shut_down:
+                return
+            for rep in self._replicas.values():
+                if rep.state == "running":
+                    self._reap(rep)
+            if self.hang_check:
+                self._check_hangs()
+            self._restart_due()
+
+    def run(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None,
+            poll_s: float = 0.05) -> int:
+        """Poll until every replica has stopped (0 if all finished, EXIT_GAVE_UP if any was given
+        up on), `until()` is true (0), `timeout_s` passed (EXIT_TIMEOUT), or SIGINT/SIGTERM
+        arrived (shutdown, then 128 + signal). Starts the replicas first if start() was not called."""
+        if not self._started:
+            self.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        restore = self._install_signal_handlers()
+        try:
+            while True:
+                self.poll()
+                if self._signalled is not None:
+                    self.shutdown()
+                    return 128 + self._signalled
+                states = {rep.state for rep in self._replicas.values()}
+                if states <= {"done", "failed", "stopped"}:
+                    return 0 if states == {"done"} else EXIT_GAVE_UP
+                if until is not None and until():
+                    return 0
+                if deadline is not None and time.monotonic() >= deadline:
+                    return EXIT_TIMEOUT
+                time.sleep(poll_s)
+        finally:
+            restore()
+
+    def kill_replica(self, rid: int, sig: int = signal.SIGKILL, reason: str = "") -> None:
+        """Send `sig` to every live process of replica `rid`. The next poll() handles the exits
+        as a failure (evict, restart); `reason` is added to the eviction reason."""
+        with self._lock:
+            rep = self._replica(rid)
+            rep.kill_reason = reason
+            for p in rep.procs:
+                _signal(p, sig)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per replica: rid, incarnation, state ("running", "restarting", "done", "failed" or, after
+        shutdown, "stopped"), pids (of live processes), restarts, step (last reported), last_event."""
+        with self._lock:
+            return [{"rid": rep.rid, "incarnation": rep.incarnation, "state": rep.state,
+                     "pids": [p.pid for p in rep.procs if _peek(p) is None], "restarts": rep.restarts,
+                     "step": rep.step, "last_event": rep.last_event}
+                    for rep in self._replicas.values()]
+
+    def shutdown(self) -> None:
+        """SIGTERM every child, SIGKILL what is left after TERM_GRACE_S, evict the replicas that
+        were running. Idempotent; runs at interpreter exit too."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            atexit.unregister(self.shutdown)
+            running = [rep for rep in self._replicas.values() if rep.state == "running"]
+            live = [p for rep in running for p in rep.procs if p.returncode is None] + self._stragglers
+            for p in live:
+                _signal(p, signal.SIGTERM)
+            deadline = time.monotonic() + TERM_GRACE_S
+            while time.monotonic() < deadline and any(_peek(p) is None for p in live):
+                time.sleep(0.02)
+            for p in live:
+                _signal(p, signal.SIGKILL)  # the exited ones too: this reaches what is left of their groups
+                _wait(p)
+            reachable = True
+            for rep in running:
+                reachable = reachable and self._evict(rep, "supervisor shut down")  # one timeout at most
+                self._event(rep, "shutdown", pids=[p.pid for p in rep.procs])
+                rep.state = "stopped"
+            for rep in self._replicas.values():
+                if rep.state == "restarting":
+                    rep.state = "stopped"
+            self._events.close()
+            if self._own_store:
+                self._store.close()
+
+    # -- launching --------------------------------------------------------------------------------
+    def _launch(self, rep: _Replica) -> None:
+        port = self._free_port()
+        rep.procs = []
+        for rank in range(rep.spec.nproc):
+            path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
+            try:
+                with open(path, "ab") as out:
+                    rep.procs.append(subprocess.Popen(self.cmd, env=self._env(rep, rank, port), stdout=out,
+                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                      start_new_session=True))
+            except OSError as e:
+                for p in rep.procs:
+                    _signal(p, signal.SIGKILL)
+                    _wait(p)
+                raise RuntimeError(f"cannot start replica {rep.rid} rank {rank} ({self.cmd[0]!r}): {e}. "
+                                   "Check the command and that the run directory is writable.") from e
+        details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port}
+        if rep.restart_step is not None:
+            details["wait_step"] = rep.restart_step
+        rep.state = "running"
+        rep.port = port
+        rep.logged_exits = set()
+        rep.kill_reason = ""
+        rep.member_seen = False
+        rep.missing_since = None
+        rep.restart_step = None
+        if rep.incarnation == 0:
+            self._event(rep, "start", **details)
+        else:
+            self._event(rep, "restart", restarts=rep.restarts,
+                        down_s=round(time.monotonic() - rep.failed_at, 3), **details)
+
+    def _env(self, rep: _Replica, rank: int, port: int) -> dict[str, str]:
+        nproc = str(rep.spec.nproc)
+        return {**os.environ, **self._extra_env,
+                "LFT_JOB": self.job, "LFT_REPLICA_ID": str(rep.rid), "LFT_NUM_REPLICAS": str(self.replicas),
+                "LFT_ETCD": self.etcd, "LFT_SECRET": self._secret, "LFT_INCARNATION": str(rep.incarnation),
+                "LFT_RUN_DIR": self.run_dir, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
+
+    def _free_port(self) -> int:
+        """A free loopback port not already handed to one of our running replicas."""
+        used = {rep.port for rep in self._replicas.values() if rep.state == "running"}
+        while True:
+            port = free_port()
+            if port not in used:
+                return port
+
+    # -- failures ---------------------------------------------------------------------------------
+    def _reap(self, rep: _Replica) -> None:
+        """Handle the exits since the last pass. Exit codes are read without reaping, so the
+        process groups of a failed replica can still be killed safely by PID."""
+        codes = [_peek(p) for p in rep.procs]
+        bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if bad:
+            rank, code = bad[0]
+            self._event(rep, "exit", rank=rank, code=code, pid=rep.procs[rank].pid)
+            reason = f"rank {rank} exited with {code}"
+            self._fail(rep, reason + (f" ({rep.kill_reason})" if rep.kill_reason else ""))
+            return
+        for rank, code in enumerate(codes):
+            if code == 0 and rank not in rep.logged_exits:
+                rep.procs[rank].wait()
+                rep.logged_exits.add(rank)
+                self._event(rep, "exit", rank=rank, code=0, pid=rep.procs[rank].pid)
+        if all(code == 0 for code in codes):
+            rep.state = "done"
+
+    def _check_hangs(self) -> None:
+        watched = [rep for rep in self._replicas.values()
+                   if rep.state == "running" and rep.procs[0].returncode is None]
+        if not watched:
+            return
+        reports = self._member_reports()
+        if reports is None:
+            return
+        now = time.monotonic()
+        for rep in watched:
+            mine = reports.get(rep.rid)
+            if mine is not None and mine.get("incarnation") == rep.incarnation:
+                rep.member_seen, rep.missing_since = True, None
+                rep.step = mine.get("step", rep.step)
+            elif rep.member_seen and rep.missing_since is None:
+                rep.missing_since = now
+            elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
+                reason = (f"hung: members/{rep.rid} of incarnation {rep.incarnation} vanished (lease expired) "
+                          f"{now - rep.missing_since:.1f}s ago while rank 0 (pid {rep.procs[0].pid}) still runs")
+                self._event(rep, "hang", reason=reason)
+                self._fail(rep, reason)
+
+    def _fail(self, rep: _Replica, reason: str) -> None:
+        """Kill the rest of the replica, evict it at once, then schedule its restart or give up."""
+        killed = [rank for rank, p in enumerate(rep.procs) if _peek(p) is None]
+        for p in rep.procs:
+            _signal(p, signal.SIGKILL)  # the exited ranks too: this reaches what is left of their groups
+        self._evict(rep, reason)
+        for p in rep.procs:
+            if not _wait(p):
+                self._stragglers.append(p)
+        rep.failed_at = time.monotonic()
+        self._event(rep, "evict", reason=reason, killed_ranks=killed)
+        if rep.restarts >= self.max_restarts:
+            rep.state = "failed"
+            self._event(rep, "give_up", reason=f"replica {rep.rid} failed {rep.restarts + 1} times "
+                                               f"(max_restarts={self.max_restarts}); not restarting it")
+            return
+        rep.state = "restarting"
+        rep.restart_at = rep.failed_at + self.restart_delay_s
+        downtime = self._downtime.get(rep.rid, 0)
+        if downtime > 0:
+            rep.restart_step = self._job_step() + downtime
+
+    def _evict(self, rep: _Replica, reason: str) -> bool:
+        """Write evict/{rid}/{inc}; False (and a warning) when etcd refused or was unreachable."""
+        key = f"{self._root}evict/{rep.rid}/{rep.incarnation}"
+        try:
+            self._store.put(key, reason.encode())
+            return True
+        except StoreError as e:
+            log.warning("could not write %s (%s); the others will drop replica %d when its lease expires",
+                        key, e, rep.rid)
+            return False
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for rep in self._replicas.values():
+            if rep.state != "restarting":
+                continue
+            if rep.restart_step is not None:
+                if not self._downtime_over(rep):
+                    continue
+            elif now < rep.restart_at:
+                continue
+            rep.incarnation += 1
+            rep.restarts += 1
+            self._launch(rep)
+
+    def _downtime_over(self, rep: _Replica) -> bool:
+        """The job reached restart_step, or nobody else is training (so it never would)."""
+        reports = self._member_reports()
+        if reports is None:
+            return False
+        others = {rid: r for rid, r in reports.items() if rid != rep.rid}
+        return not others or self._job_step(reports) >= rep.restart_step
+
+    # -- etcd reads -------------------------------------------------------------------------------
+    def _member_reports(self) -> Optional[dict[int, dict[str, Any]]]:
+        """Live member reports by replica id, or None when etcd could not be read."""
+        try:
+            kvs, _ = self._store.get_prefix(self._root + "members/")
+        except StoreError as e:
+            log.warning("cannot read member reports: %s", e)
+            return None
+        reports = {}
+        for kv in kvs:
+            try:
+                reports[int(kv.key.rsplit("/", 1)[1])] = json.loads(kv.value)
+            except ValueError:
+                log.warning("ignoring malformed member report %s", kv.key)
+        return reports
+
+    def _job_step(self, reports: Optional[dict[int, dict[str, Any]]] = None) -> int:
+        """The job's step: max of the newest quorum's max_step and the members' reported steps."""
+        if reports is None:
+            reports = self._member_reports() or {}
+        steps = [int(r.get("step", 0)) for r in reports.values()]
+        try:
+            kvs, _ = self._store.get_prefix(self._root + "quorum/")
+            if kvs:
+                steps.append(int(json.loads(kvs[-1].value).get("max_step", 0)))
+        except (StoreError, ValueError) as e:
+            log.warning("cannot read the newest quorum: %s", e)
+        return max(steps, default=0)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _replica(self, rid: int) -> _Replica:
+        if rid not in self._replicas:
+            raise KeyError(f"replica {rid} is not supervised here (this supervisor owns {sorted(self._replicas)})")
+        return self._replicas[rid]
+
+    def _event(self, rep: _Replica, event: str, **details: Any) -> None:
+        rec = {"t": time.time(), "event": event, "replica": rep.rid, "incarnation": rep.incarnation, **details}
+        rep.last_event = event + (f": {details['reason']}" if "reason" in details else "")
+        self._events.write(json.dumps(rec) + "\n")
+        self._events.flush()
+        log.info("replica %d incarnation %d: %s %s", rep.rid, rep.incarnation, event, details)
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        """SIGINT/SIGTERM make run() shut down; returns a function restoring the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum: int, frame: Any) -> None:
+            self._signalled = signum
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore() -> None:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+        return restore
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    """Signal the process group of `p` (its own: it was started in a new session), or `p` alone
+    if it left that group. Only while `p` is unreaped, so its PID cannot belong to someone else."""
+    if p.returncode is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _peek(p: subprocess.Popen) -> Optional[int]:
+    """The exit code of `p` (-N for signal N), or None while it runs, without reaping it."""
+    if p.returncode is not None:
+        return p.returncode
+    try:
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere (Popen.wait); let Popen report it
+        return p.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _wait(p: subprocess.Popen) -> bool:
+    """Reap `p` within REAP_TIMEOUT_S; False if it is still there."""
+    try:
+        p.wait(REAP_TIMEOUT_S)
+        return True
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d did not exit within %.0fs of SIGKILL", p.pid, REAP_TIMEOUT_S)
+        return False

@@ -1,0 +1,299 @@
+"""The supervisor with real processes (tests/launch/child.py) and a real etcd: environment,
+crash -> kill the replica + evict at once + restart, give-up, hang detection by lease expiry,
+downtime, shutdown by PID, and two supervisors sharing one job."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from lightning_ft.coord.store import EtcdStore
+from lightning_ft.launch.supervisor import EXIT_GAVE_UP, EXIT_TIMEOUT, TERM_GRACE_S, Supervisor
+
+CHILD = str(Path(__file__).with_name("child.py"))
+
+
+@pytest.fixture
+def store(etcd_endpoint):
+    s = EtcdStore(etcd_endpoint)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def make(etcd_endpoint, tmp_path):
+    """make(*specs, **kwargs) -> Supervisor running child.py with `specs`; every one is shut down
+    at teardown. Children write their env and exit times to tmp_path/out."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = f"t{uuid.uuid4().hex[:8]}"
+    made: list[Supervisor] = []
+
+    def _make(*specs: str, **kw) -> Supervisor:
+        kw = {"replicas": 2, "nproc_per_replica": 2, "job": job, "etcd": etcd_endpoint, "secret": "s3cret",
+              "run_dir": str(tmp_path / "run"), "restart_delay_s": 0.2, **kw}
+        sup = Supervisor([sys.executable, CHILD, str(out), *specs], **kw)
+        made.append(sup)
+        return sup
+
+    _make.out = out
+    _make.job = job
+    _make.run_dir = tmp_path / "run"
+    yield _make
+    for sup in made:
+        sup.shutdown()
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str, poll: Callable[[], None] = lambda: None):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        poll()
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def events(run_dir: Path, replica: int | None = None) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    evs = [json.loads(line) for line in lines]
+    return [e for e in evs if replica is None or e["replica"] == replica]
+
+
+def seq(evs: list[dict]) -> list[tuple[str, int]]:
+    return [(e["event"], e["incarnation"]) for e in evs]
+
+
+def env_of(out: Path, rid: int, inc: int, rank: int) -> dict:
+    return json.loads((out / f"r{rid}.i{inc}.rank{rank}.env.json").read_text())
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (grandchildren may be reparented to a PID 1
+    that does not reap them)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def status(sup: Supervisor, rid: int) -> dict:
+    return next(s for s in sup.status() if s["rid"] == rid)
+
+
+def test_env_of_two_replicas_of_two_ranks(make):
+    sup = make("*:*:*=exit:0:0")
+    assert sup.run(timeout_s=20) == 0
+    envs = {(r, k): env_of(make.out, r, 0, k) for r in (0, 1) for k in (0, 1)}
+    for (rid, rank), env in envs.items():
+        assert {k: env[k] for k in ("LFT_JOB", "LFT_REPLICA_ID", "LFT_NUM_REPLICAS", "LFT_ETCD", "LFT_SECRET",
+                                    "LFT_INCARNATION", "LFT_RUN_DIR", "MASTER_ADDR", "RANK", "LOCAL_RANK",
+                                    "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+            "LFT_JOB": make.job, "LFT_REPLICA_ID": str(rid), "LFT_NUM_REPLICAS": "2", "LFT_ETCD": sup.etcd,
+            "LFT_SECRET": "s3cret", "LFT_INCARNATION": "0", "LFT_RUN_DIR": str(make.run_dir),
+            "MASTER_ADDR": "127.0.0.1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2"}
+        assert env["PATH"] == os.environ["PATH"]  # the parent's environment is passed on
+    ports = {rid: {envs[rid, 0]["MASTER_PORT"], envs[rid, 1]["MASTER_PORT"]} for rid in (0, 1)}
+    assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # one port per replica
+    assert sorted(p.name for p in (make.run_dir / "logs").iterdir()) == [
+        f"r{r}.i0.rank{k}.log" for r in (0, 1) for k in (0, 1)]
+    for rid in (0, 1):
+        assert seq(events(make.run_dir, rid)) == [("start", 0), ("exit", 0), ("exit", 0)]
+        assert status(sup, rid)["state"] == "done"
+
+
+def test_extra_env_is_passed_to_every_process(make):
+    sup = make("*:*:*=exit:0:0", replicas=1, nproc_per_replica=1, env={"LFT_TEST_EXTRA": "yes"})
+    assert sup.run(timeout_s=20) == 0
+    assert env_of(make.out, 0, 0, 0)["LFT_TEST_EXTRA"] == "yes"
+
+
+def test_crash_kills_replica_evicts_within_200ms_and_restarts(make, store):
+    sup = make("1:0:1=exit:3:500", restart_delay_s=0.5)
+    key = f"/lft/{make.job}/evict/1/0"
+    seen: dict[str, float] = {}
+
+    def watch_key() -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and store.get(key) is None:
+            time.sleep(0.005)
+        seen["t"] = time.time()
+
+    watcher = threading.Thread(target=watch_key, daemon=True)
+    sup.start()
+    watcher.start()
+    old = {rid: status(sup, rid)["pids"] for rid in (0, 1)}
+    assert sup.run(until=lambda: status(sup, 1)["state"] == "running" and status(sup, 1)["incarnation"] == 1,
+                   timeout_s=15) == 0
+    watcher.join(15)
+    exited_at = float((make.out / "r1.i0.rank1.exit").read_text())
+    assert seen["t"] - exited_at < 0.2, f"eviction visible {seen['t'] - exited_at:.3f}s after the exit"
+    assert store.get(key).value == b"rank 1 exited with 3"
+    assert not alive(old[1][0])  # the rest of replica 1 was killed
+    assert status(sup, 0)["pids"] == old[0] and status(sup, 0)["incarnation"] == 0  # replica 0 untouched
+    evs = events(make.run_dir, 1)
+    assert seq(evs) == [("start", 0), ("exit", 0), ("evict", 0), ("restart", 1)]
+    assert (evs[1]["rank"], evs[1]["code"]) == (1, 3)
+    assert evs[2]["reason"] == "rank 1 exited with 3" and evs[2]["killed_ranks"] == [0]
+    assert evs[3]["t"] - evs[2]["t"] >= 0.45  # restart_delay_s
+    wait_for(lambda: all((make.out / f"r1.i1.rank{k}.env.json").exists() for k in (0, 1)), 10,
+             "incarnation 1 to start")
+    assert env_of(make.out, 1, 1, 0)["LFT_INCARNATION"] == "1"
+    assert status(sup, 1)["restarts"] == 1 and len(status(sup, 1)["pids"]) == 2
+
+
+def test_sigkill_of_one_rank_evicts_with_the_signal(make, store):
+    sup = make(replicas=1, restart_delay_s=0.1)
+    sup.start()
+    pids = status(sup, 0)["pids"]
+    os.kill(pids[1], signal.SIGKILL)
+    wait_for(lambda: status(sup, 0)["incarnation"] == 1, 10, "the restart", poll=sup.poll)
+    assert store.get(f"/lft/{make.job}/evict/0/0").value == b"rank 1 exited with -9"
+    assert not alive(pids[0]) and not alive(pids[1])
+
+
+def test_max_restarts_gives_up(make, store):
+    sup = make("*:*:*=exit:3:0", replicas=1, nproc_per_replica=1, restart_delay_s=0.05, max_restarts=2)
+    assert sup.run(timeout_s=20) == EXIT_GAVE_UP
+    assert seq(events(make.run_dir)) == [
+        ("start", 0), ("exit", 0), ("evict", 0), ("restart", 1), ("exit", 1), ("evict", 1),
+        ("restart", 2), ("exit", 2), ("evict", 2), ("give_up", 2)]
+    assert "max_restarts=2" in events(make.run_dir)[-1]["reason"]
+    assert status(sup, 0)["state"] == "failed" and status(sup, 0)["restarts"] == 2
+    kvs, _ = store.get_prefix(f"/lft/{make.job}/evict/0/")
+    assert [kv.key.rsplit("/", 1)[1] for kv in kvs] == ["0", "1", "2"]
+
+
+def test_hang_by_lease_expiry_kills_evicts_and_restarts(make, store):
+    sup = make("0:0:0=member:300:hang:0", "0:1:0=member:-1:hang:0", replicas=1, hang_grace_s=0.2)
+    sup.start()
+    pids = status(sup, 0)["pids"]
+    wait_for(lambda: status(sup, 0)["incarnation"] == 1, 15, "the hang to be detected", poll=sup.poll)
+    assert not any(alive(p) for p in pids)
+    ev = events(make.run_dir)
+    assert seq(ev) == [("start", 0), ("hang", 0), ("evict", 0), ("restart", 1)]
+    assert "vanished (lease expired)" in ev[1]["reason"] and ev[2]["killed_ranks"] == [0, 1]
+    assert store.get(f"/lft/{make.job}/evict/0/0").value.decode() == ev[1]["reason"]
+    # Incarnation 1 keeps its lease alive: it is not taken for hung.
+    wait_for(lambda: store.get(f"/lft/{make.job}/members/0"), 10, "incarnation 1 to register", poll=sup.poll)
+    assert sup.run(timeout_s=2.0) == EXIT_TIMEOUT
+    assert status(sup, 0)["incarnation"] == 1 and status(sup, 0)["state"] == "running"
+
+
+def test_leader_that_revokes_its_lease_and_exits_is_not_hung(make):
+    sup = make("0:0:0=member:300:revoke:0", "0:0:1=exit:0:1500", replicas=1, hang_grace_s=1.0)
+    assert sup.run(timeout_s=15) == 0
+    assert [e["event"] for e in events(make.run_dir)] == ["start", "exit", "exit"]
+
+
+def test_downtime_keeps_replica_down_until_the_job_advances(make, store):
+    # Replica 0 reports 20 steps/s; replica 1 is killed and must stay down for 10 steps (~0.5 s),
+    # not the 30 s restart delay.
+    sup = make("0:*:*=member:-1:hang:20", "1:*:*=sleep", nproc_per_replica=1, restart_delay_s=30)
+    sup.start()
+    wait_for(lambda: status(sup, 0)["step"], 10, "replica 0 to report steps", poll=sup.poll)
+    sup.set_downtime(1, 10)
+    sup.kill_replica(1, reason="injected kill")
+    wait_for(lambda: status(sup, 1)["incarnation"] == 1, 10, "the restart", poll=sup.poll)
+    ev = {e["event"]: e for e in events(make.run_dir, 1)}
+    assert ev["evict"]["reason"] == "rank 0 exited with -9 (injected kill)"
+    assert store.get(f"/lft/{make.job}/evict/1/0").value == b"rank 0 exited with -9 (injected kill)"
+    assert 0.3 < ev["restart"]["down_s"] < 5
+    reported = json.loads(store.get(f"/lft/{make.job}/members/0").value)["step"]
+    assert reported >= ev["restart"]["wait_step"] >= 10
+
+
+def test_shutdown_kills_every_child_and_grandchild_by_pid(make, store):
+    sup = make("1:0:1=ignore_term")
+    sup.start()
+    gc_file = make.out / "r1.i0.rank1.grandchild"
+    wait_for(gc_file.exists, 10, "the grandchild", poll=sup.poll)
+    grandchild = int(gc_file.read_text())
+    pids = [p for s in sup.status() for p in s["pids"]]
+    assert len(pids) == 4 and all(alive(p) for p in pids + [grandchild])
+    t0 = time.monotonic()
+    sup.shutdown()
+    took = time.monotonic() - t0
+    assert TERM_GRACE_S - 0.1 < took < TERM_GRACE_S + 3  # one child ignored SIGTERM: SIGKILL after the grace
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    wait_for(lambda: not alive(grandchild), 5, "the grandchild to die")
+    assert [s["state"] for s in sup.status()] == ["stopped", "stopped"]
+    assert seq(events(make.run_dir))[-2:] == [("shutdown", 0), ("shutdown", 0)]
+    assert store.get(f"/lft/{make.job}/evict/1/0").value == b"supervisor shut down"
+    sup.shutdown()  # idempotent
+
+
+def test_sigterm_to_a_running_supervisor_shuts_down_its_children(make, etcd_endpoint, tmp_path, procs):
+    script = textwrap.dedent(f"""
+        import sys
+        from lightning_ft.launch.supervisor import Supervisor
+        sup = Supervisor([sys.executable, {CHILD!r}, {str(make.out)!r}], replicas=1, nproc_per_replica=2,
+                         job={make.job!r}, etcd={etcd_endpoint!r}, secret="", run_dir={str(tmp_path / 'run2')!r})
+        sys.exit(sup.run(timeout_s=30))
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script])
+    procs.append(p)
+    env_files = [make.out / f"r0.i0.rank{k}.env.json" for k in (0, 1)]
+    wait_for(lambda: all(f.exists() for f in env_files), 15, "the children to start")
+    pids = events(tmp_path / "run2")[0]["pids"]
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 128 + signal.SIGTERM
+    assert not any(alive(pid) for pid in pids)
+    assert events(tmp_path / "run2")[-1]["event"] == "shutdown"
+
+
+def test_two_supervisors_with_disjoint_replica_ids_share_one_job(make, store):
+    specs = ("1:0:1=exit:3:300", "*:*:0=member:-1:hang:0")
+    a = make(*specs, replica_ids=[0], run_dir=str(make.run_dir / "a"))
+    b = make(*specs, replica_ids=[1], run_dir=str(make.run_dir / "b"))
+    a.start()
+    b.start()
+
+    def poll_both() -> None:
+        a.poll()
+        b.poll()
+
+    wait_for(lambda: status(b, 1)["incarnation"] == 1, 15, "replica 1 to restart", poll=poll_both)
+    assert [s["rid"] for s in a.status()] == [0] and [s["rid"] for s in b.status()] == [1]
+    assert status(a, 0)["incarnation"] == 0 and status(a, 0)["restarts"] == 0
+    assert store.get(f"/lft/{make.job}/evict/1/0").value == b"rank 1 exited with 3"
+    members = f"/lft/{make.job}/members/"
+    wait_for(lambda: [json.loads(kv.value)["incarnation"] for kv in store.get_prefix(members)[0]] == [0, 1],
+             15, "both replicas registered with their incarnations", poll=poll_both)
+    for rid, sup in ((0, a), (1, b)):
+        env = env_of(make.out, rid, status(sup, rid)["incarnation"], 0)
+        assert (env["LFT_REPLICA_ID"], env["LFT_NUM_REPLICAS"], env["LFT_JOB"]) == (str(rid), "2", make.job)
+
+
+def test_replica_ids_out_of_range_are_refused(make):
+    with pytest.raises(ValueError, match=r"replica_ids \[0, 2\] must be distinct and between 0 and replicas - 1"):
+        make(replica_ids=[0, 2])
+
+
+def test_a_command_that_cannot_start_says_so(etcd_endpoint, tmp_path):
+    sup = Supervisor([str(tmp_path / "no-such-program")], replicas=1, nproc_per_replica=2, job="nostart",
+                     etcd=etcd_endpoint, secret="", run_dir=str(tmp_path / "run"))
+    try:
+        with pytest.raises(RuntimeError, match="cannot start replica 0 rank 0 .*no-such-program"):
+            sup.start()
+    finally:
+        sup.shutdown()
