@@ -191,7 +191,8 @@ def main(argv: list[str]) -> int:
                            lagging=list(q.lagging), lr_factor=plan.lr_factor, batch=plan.batch_index,
                            lag=plan.lagging, dt=now - last_t, quorum_ms=st.quorum_s * 1e3,
                            reconf_ms=st.reconfigure_s * 1e3, exchange_ms=st.exchange_s * 1e3,
-                           catchup_ms=st.catchup_s * 1e3, catchup_gbps=st.catchup_gbps, freeze_ms=st.freeze_s * 1e3)
+                           catchup_ms=st.catchup_s * 1e3, catchup_gbps=st.catchup_gbps,
+                           state_mb=st.catchup_mb, freeze_ms=st.freeze_s * 1e3)
                 if a.digest_every and committed and (mgr.step % a.digest_every == 0):
                     row["digest"] = state_digest(model, opt)
                 emit(**row)

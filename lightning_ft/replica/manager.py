@@ -80,6 +80,7 @@ class StepStats:
     exchange_s: float = 0.0
     catchup_s: float = 0.0
     catchup_gbps: float = 0.0
+    catchup_mb: float = 0.0
     freeze_s: float = 0.0
     retries: int = 0
 
@@ -319,6 +320,7 @@ class ReplicaManager:
         self.step = plan.step
         self.stats.catchup_s = time.perf_counter() - t0
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
+        self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
         log.info("replica %d rank %d caught up to step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid,
                  self.rank, plan.step, src, stats["bytes"] / 1e6, stats["seconds"], stats["gbps"])
         return True

@@ -148,3 +148,28 @@ def test_sigstopped_replica_is_excluded_then_catches_up_after_sigcont(job_factor
     job.wait_done(180)
     assert_identical_every_step(job)
     assert_exactly_once(job)
+
+
+def test_catchup_of_a_100mb_state_is_faster_than_a_step_and_does_not_slow_the_healthy(job_factory):
+    # ~9.4M parameters + AdamW state: a 113 MB state per replica.
+    args = ("--dim", "512", "--hidden", "2048", "--depth", "3", "--batch", "128", "--ttl", "2",
+            "--ftar-timeout", "6", "--init-timeout", "60", "--steps", "100000")
+    job = job_factory(args=args)
+    job.start_all()
+    r0 = job.replicas[0]
+    r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 8, 240)
+    job.replicas[1].kill()
+    job.evict(1)
+    r0.wait_for(lambda x: x.get("event") == "step" and x["members"] == [0, 2], 60)
+    n_before = len(r0.steps())
+    job.start(1, inc=1)
+    lag = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["lag"], 120)
+    healthy = r0.wait_for(lambda x: x.get("event") == "step" and 1 in x["lagging"], 10)
+    r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= healthy["step"] + 3, 60)
+    two_replica_steps = [x["dt"] for x in r0.steps()[n_before - 5:n_before] if x["members"] == [0, 2]]
+    step_s = statistics.median([x["dt"] for x in r0.steps()[3:]])
+    assert lag["state_mb"] >= 100
+    assert lag["catchup_ms"] / 1e3 < step_s, (lag["catchup_ms"], step_s)
+    # The healthy replica's catch-up step is no slower than its steps while replica 1 was away
+    # plus the rejoin budget (0.2 of a step).
+    assert healthy["dt"] < statistics.median(two_replica_steps) + 0.2 * step_s, (healthy["dt"], two_replica_steps)

@@ -1,0 +1,41 @@
+"""Benchmarks run at small sizes: they print the JSON they promise, with sane values."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_bench(*args: str, timeout: float = 300) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+
+
+def test_quorum_bench_prints_percentiles():
+    rows = run_bench("lightning_ft.bench.quorum", "--leaders", "2", "--rounds", "10")
+    assert rows[0]["bench"] == "quorum" and rows[0]["leaders"] == 2
+    assert 0 < rows[0]["p50_ms"] <= rows[0]["p99_ms"] < 5000
+
+
+def test_ftar_bench_runs_ftar_and_gloo_side_by_side():
+    rows = run_bench("lightning_ft.bench.ftar", "--ranks", "2", "--size-mb", "1", "--iters", "2")
+    (r,) = rows
+    assert r["bench"] == "ftar" and r["ranks"] == 2 and r["ftar_busbw_gbps"] > 0 and r["gloo_busbw_gbps"] > 0
+    assert abs(r["ratio"] - r["ftar_busbw_gbps"] / r["gloo_busbw_gbps"]) < 0.01
+
+
+def test_kernels_bench_says_no_gpu_on_cpu():
+    import torch
+
+    rows = run_bench("lightning_ft.bench.kernels", "--quick")
+    if not torch.cuda.is_available():
+        assert rows == [{"bench": "kernels", "skipped": "no GPU"}]
+
+
+def test_recovery_bench_quick_meets_its_stall_bounds():
+    (r,) = run_bench("lightning_ft.bench.recovery", "--quick", "--ttl", "1", timeout=400)
+    assert r["bench"] == "recovery"
+    assert r["kill_stall_s"] < 1.0
+    assert r["hang_stall_s"] <= r["ttl_s"] + 1.0
+    assert r["catchup_gbps"] > 0
