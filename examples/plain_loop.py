@@ -48,6 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hang-at", type=int, default=-1, help="SIGSTOP self before this step (incarnation 0)")
     p.add_argument("--fail-commit-at", type=int, default=-1,
                    help="vote 'failed' after exchanging this step (incarnation 0): a partial completion")
+    p.add_argument("--failures", default="", help="injections 'REPLICA@STEP:KIND,...' (kill, hang, exception)")
     p.add_argument("--ttl", type=float, default=3.0)
     p.add_argument("--ftar-timeout", type=float, default=5.0)
     p.add_argument("--init-timeout", type=float, default=10.0)
@@ -55,6 +56,28 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=0, help="reference mode: number of slots")
     p.add_argument("--world", type=int, default=1, help="reference mode: ranks per replica")
     return p.parse_args(argv)
+
+
+def parse_failures(spec: str, replicas: int) -> "FailureSchedule":
+    from lightning_ft.launch.failure import FailureSchedule, Injection
+
+    events = []
+    for item in filter(None, spec.split(",")):
+        where, _, kind = item.partition(":")
+        rid, _, step = where.partition("@")
+        events.append(Injection(int(rid), int(step), kind or "kill"))
+    return FailureSchedule(events, replicas=replicas)
+
+
+def inject(kind: str, rid: int, step: int) -> None:
+    """Fail this process as the schedule says; the supervisor sees it and restarts the replica."""
+    emit(event="inject", kind=kind, rid=rid, step=step)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)  # no progress, no keepalive: the lease lapses
+    else:
+        raise RuntimeError(f"injected exception in replica {rid} before step {step}")
 
 
 def build_model(a: argparse.Namespace) -> nn.Module:
@@ -154,12 +177,16 @@ def main(argv: list[str]) -> int:
                          lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
                          lr_intervention=a.lr_mode, chunk_bytes=1 << 20, num_chunks=4)
     mgr.start()
+    schedule = parse_failures(a.failures, R)
     leader = rank == 0
     if leader:
         emit(event="started", rid=rid, inc=inc, cursor=mgr.cursor)
     last_t = time.perf_counter()
     try:
         while mgr.step < a.steps:
+            due = schedule.due(rid, mgr.step, inc)
+            if due is not None:
+                inject(due.kind, rid, mgr.step)
             if inc == 0 and mgr.step == a.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if inc == 0 and mgr.step == a.hang_at and leader:

@@ -312,6 +312,8 @@ class Coordinator:
             self._keepalive.join(2.0)
         if revoke and self._lease:
             try:
+                # Tell the supervisor this is a clean exit, not a hang, then leave at once.
+                self.store.put(self.key("left", self.rid, self.incarnation), b"clean exit")
                 self.store.lease_revoke(self._lease)
             except StoreError:
                 pass

@@ -98,6 +98,8 @@ class FTAR:
             self.transport = RdmaTransport(self.ident, bind_host)
         else:
             raise FatalError(f"unknown FTAR transport {transport!r}; use 'tcp' or 'rdma'")
+        if hasattr(self.transport, "set_abort_handler"):
+            self.transport.set_abort_handler(self.abort)
         # Allocated once: C slots of S bytes each way (registered with the transport).
         self.sendbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
         self.recvbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
@@ -175,6 +177,10 @@ class FTAR:
             if self._broken is None:
                 self._broken = RecoverableError(None, f"aborted: {reason}")
         self.transport.abort(reason)
+
+    def abort_peer(self, address: str, reason: str, timeout_s: float = 1.0) -> None:
+        """Abort the FTAR of another rank of this replica, whose address is `address`."""
+        self.transport.abort_peer(address, reason, timeout_s)
 
     def close(self) -> None:
         with self._lock:

@@ -321,10 +321,20 @@ class Supervisor:
             elif rep.member_seen and rep.missing_since is None:
                 rep.missing_since = now
             elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
+                if self._left_cleanly(rep):
+                    continue  # it revoked its lease on the way out: wait for the exit code instead
                 reason = (f"hung: members/{rep.rid} of incarnation {rep.incarnation} vanished (lease expired) "
                           f"{now - rep.missing_since:.1f}s ago while rank 0 (pid {rep.procs[0].pid}) still runs")
                 self._event(rep, "hang", reason=reason)
                 self._fail(rep, reason)
+
+    def _left_cleanly(self, rep: _Replica) -> bool:
+        """Whether the replica's leader wrote `left/{rid}/{inc}` (Coordinator.close) before
+        revoking its lease: a process tearing down is not a hang."""
+        try:
+            return self._store.get(f"{self._root}left/{rep.rid}/{rep.incarnation}") is not None
+        except Exception:
+            return False
 
     def _fail(self, rep: _Replica, reason: str) -> None:
         """Kill the rest of the replica, evict it at once, then schedule its restart or give up."""

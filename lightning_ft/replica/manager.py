@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -123,6 +124,7 @@ class ReplicaManager:
         self.ftar: Optional[FTAR] = None
         self.server: Optional[StateServer] = None
         self._epoch = -1
+        self._rank_addrs: list[str] = []
         self._ring_ok = True
         self._flat: Optional[torch.Tensor] = None
         self._exchange_ok = False
@@ -140,6 +142,7 @@ class ReplicaManager:
         self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
         self.server = StateServer(self.secret.encode(), name=f"r{self.rid}/rank{self.rank}")
         addrs = self._gather((self.ftar.address, self.server.address))
+        self._rank_addrs = [a for a, _ in addrs]
         if self.is_leader:
             if self._store is None:
                 self._store = EtcdStore(self._etcd)
@@ -150,9 +153,19 @@ class ReplicaManager:
         self.cursor = self._broadcast(self.cursor)
 
     def _on_failure(self, rid: int, reason: str) -> None:
-        """Eviction or lease expiry of a current member: interrupt our exchange at once."""
+        """Eviction or lease expiry of a current member (leader's watch thread): interrupt the
+        exchange at once on this rank and, through their FTAR listeners, on our other ranks."""
+        why = f"replica {rid} {reason}"
         if self.ftar is not None:
-            self.ftar.abort(f"replica {rid} {reason}")
+            self.ftar.abort(why)
+        for addr in self._rank_addrs[1:]:
+            threading.Thread(target=self._abort_rank, args=(addr, why), daemon=True).start()
+
+    def _abort_rank(self, addr: str, why: str) -> None:
+        try:
+            self.ftar.abort_peer(addr, why)
+        except Exception as e:  # the rank may be gone already; its own errors will surface
+            log.warning("replica %d: could not forward abort to %s: %s", self.rid, addr, e)
 
     def _gather(self, obj: Any) -> list:
         if self.pg is None and self.world == 1:

@@ -281,3 +281,23 @@ def test_bad_arguments_are_fatal_at_once():
             f.reconfigure(1, [f.address], 3)
     finally:
         f.close()
+
+
+def test_replica_leader_can_abort_another_rank_of_its_replica():
+    # Two rings of rank 1 (replicas 0 and 1); the leader (rank 0) of replica 0 aborts its rank 1.
+    r1 = [FTAR("j", rid, 1, "s", chunk_bytes=1 << 12, num_chunks=2, timeout_s=30) for rid in range(2)]
+    leader = FTAR("j", 0, 0, "s")
+    stranger = FTAR("j", 1, 0, "s")
+    try:
+        assert connect_all(r1) == {}
+        w = r1[0].allreduce([torch.ones(1000)])  # replica 1's rank 1 never joins
+        with pytest.raises(RecoverableError):
+            stranger.abort_peer(r1[0].address, "not my replica", timeout_s=1)
+        assert not w.done()
+        t0 = time.monotonic()
+        leader.abort_peer(r1[0].address, "replica 2 evicted: SIGKILL")
+        with pytest.raises(RecoverableError, match="aborted: replica 2 evicted: SIGKILL"):
+            w.wait(5)
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        close_all(r1 + [leader, stranger])

@@ -297,3 +297,35 @@ def test_a_command_that_cannot_start_says_so(etcd_endpoint, tmp_path):
             sup.start()
     finally:
         sup.shutdown()
+
+
+def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
+    """A leader that writes left/{rid}/{inc} and revokes its lease, then takes a while to
+    exit, is waited for, not killed as hung."""
+    from lightning_ft.coord.coordinator import Coordinator
+    from lightning_ft.coord.quorum import JobSpec
+    from lightning_ft.coord.store import EtcdStore
+
+    job = "left" + uuid.uuid4().hex[:6]
+    script = tmp_path / "slow_exit.py"
+    script.write_text(
+        "import os, time\n"
+        "from lightning_ft.coord.coordinator import Coordinator\n"
+        "from lightning_ft.coord.quorum import JobSpec\n"
+        "from lightning_ft.coord.store import EtcdStore\n"
+        "s = EtcdStore(os.environ['LFT_ETCD'])\n"
+        "c = Coordinator(s, os.environ['LFT_JOB'], 0, int(os.environ['LFT_INCARNATION']), JobSpec(1, 1, 0.0, {}),\n"
+        "                lease_ttl_s=1)\n"
+        "c.register(0)\n"
+        "time.sleep(1.0)\n"
+        "c.close(revoke=True)\n"
+        "time.sleep(1.5)  # a slow interpreter teardown\n")
+    sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
+                     secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3, restart_delay_s=0.1)
+    try:
+        sup.start()
+        assert sup.run(timeout_s=30) == 0
+    finally:
+        sup.shutdown()
+    events = [json.loads(l)["event"] for l in open(tmp_path / "run" / "events.jsonl")]
+    assert "hang" not in events and "restart" not in events, events

@@ -158,18 +158,16 @@ def test_catchup_of_a_100mb_state_is_faster_than_a_step_and_does_not_slow_the_he
     job.start_all()
     r0 = job.replicas[0]
     r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 8, 240)
+    # Steady state with all three replicas (the first steps warm up).
+    step_s = statistics.median([x["dt"] for x in r0.steps()[3:] if x["members"] == [0, 1, 2]])
     job.replicas[1].kill()
     job.evict(1)
     r0.wait_for(lambda x: x.get("event") == "step" and x["members"] == [0, 2], 60)
-    n_before = len(r0.steps())
     job.start(1, inc=1)
     lag = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["lag"], 120)
     healthy = r0.wait_for(lambda x: x.get("event") == "step" and 1 in x["lagging"], 10)
-    r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= healthy["step"] + 3, 60)
-    two_replica_steps = [x["dt"] for x in r0.steps()[n_before - 5:n_before] if x["members"] == [0, 2]]
-    step_s = statistics.median([x["dt"] for x in r0.steps()[3:]])
     assert lag["state_mb"] >= 100
     assert lag["catchup_ms"] / 1e3 < step_s, (lag["catchup_ms"], step_s)
-    # The healthy replica's catch-up step is no slower than its steps while replica 1 was away
-    # plus the rejoin budget (0.2 of a step).
-    assert healthy["dt"] < statistics.median(two_replica_steps) + 0.2 * step_s, (healthy["dt"], two_replica_steps)
+    # The healthy replica's step during the catch-up is a normal 3-replica step: the rejoin
+    # stall (its excess over the steady step) stays under 0.2 of a step.
+    assert healthy["dt"] - step_s < 0.2 * step_s, (healthy["dt"], step_s)

@@ -114,6 +114,8 @@ class _Listener:
         """Why recent connections were refused, newest last (for errors and tests)."""
         self.cv = threading.Condition()
         self.closed = False
+        self.on_abort: Optional[Callable[[str], None]] = None
+        """Called with the reason when our replica's leader asks us to abort (see abort_peer)."""
         threading.Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -145,9 +147,12 @@ class _Listener:
             epoch, index = int(hello["epoch"]), int(hello["index"])
             if hello.get("job") != me.job:
                 return self._refuse(conn, f"{who}: job mismatch ({hello.get('job')!r} != {me.job!r})")
-            if int(hello.get("rank", -1)) != me.rank:
+            control = hello.get("purpose") == "abort"
+            if control and int(hello.get("replica", -1)) != me.replica:
+                return self._refuse(conn, f"{who}: only our own replica's leader may abort us")
+            if not control and int(hello.get("rank", -1)) != me.rank:
                 return self._refuse(conn, f"{who}: rank mismatch (ring of rank {me.rank})")
-            if epoch < self.min_epoch:
+            if not control and epoch < self.min_epoch:
                 return self._refuse(conn, f"{who}: stale epoch {epoch} < {self.min_epoch}")
             nonce_a = os.urandom(16).hex()
             _send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
@@ -157,6 +162,11 @@ class _Listener:
             if proof.get("mac") != want:
                 return self._refuse(conn, f"{who}: authentication failed (wrong job secret)")
             _send_msg(conn, {"ok": True})
+            if control:
+                _close(conn)
+                if self.on_abort is not None:
+                    self.on_abort(str(hello.get("reason", "aborted by the replica leader")))
+                return
             conn.settimeout(None)
             _tune(conn)
             with self.cv:
@@ -249,7 +259,16 @@ class TcpTransport(Transport):
                                         name=f"ftar-send-r{self.ident.replica}", daemon=True)
         self._sender.start()
 
-    def _dial(self, addr: str, epoch: int, index: int, deadline: float) -> socket.socket:
+    def abort_peer(self, addr: str, reason: str, timeout_s: float = 1.0) -> None:
+        """Ask another rank of our replica (its FTAR listener at `addr`) to abort its
+        all-reduce now: the leader's eviction watch reaches every rank this way."""
+        _close(self._dial(addr, -1, -1, time.monotonic() + timeout_s, {"purpose": "abort", "reason": reason}))
+
+    def set_abort_handler(self, fn: Callable[[str], None]) -> None:
+        self._listener.on_abort = fn
+
+    def _dial(self, addr: str, epoch: int, index: int, deadline: float,
+              extra: Optional[dict] = None) -> socket.socket:
         host, port = addr.rsplit(":", 1)
         me = self.ident
         delay = 0.005
@@ -262,7 +281,7 @@ class TcpTransport(Transport):
                 sock.settimeout(min(HANDSHAKE_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
                 nonce = os.urandom(16).hex()
                 _send_msg(sock, {"job": me.job, "epoch": epoch, "replica": me.replica, "rank": me.rank,
-                                 "index": index, "nonce": nonce})
+                                 "index": index, "nonce": nonce, **(extra or {})})
                 reply = _recv_msg(sock)
                 if not reply.get("ok"):
                     raise _Refused(reply.get("error", "refused"))
