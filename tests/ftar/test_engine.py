@@ -295,6 +295,7 @@ def test_replica_leader_can_abort_another_rank_of_its_replica():
             stranger.abort_peer(r1[0].address, "not my replica", timeout_s=1)
         assert not w.done()
         t0 = time.monotonic()
+        leader.abort("replica 2 evicted: SIGKILL")  # the leader aborts itself first, then forwards
         leader.abort_peer(r1[0].address, "replica 2 evicted: SIGKILL")
         with pytest.raises(RecoverableError, match="aborted: replica 2 evicted: SIGKILL"):
             w.wait(5)

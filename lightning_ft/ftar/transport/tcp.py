@@ -262,18 +262,20 @@ class TcpTransport(Transport):
     def abort_peer(self, addr: str, reason: str, timeout_s: float = 1.0) -> None:
         """Ask another rank of our replica (its FTAR listener at `addr`) to abort its
         all-reduce now: the leader's eviction watch reaches every rank this way."""
-        _close(self._dial(addr, -1, -1, time.monotonic() + timeout_s, {"purpose": "abort", "reason": reason}))
+        # Independent of our own abort state: the leader forwards right after aborting itself.
+        _close(self._dial(addr, -1, -1, time.monotonic() + timeout_s, {"purpose": "abort", "reason": reason},
+                          abortable=False))
 
     def set_abort_handler(self, fn: Callable[[str], None]) -> None:
         self._listener.on_abort = fn
 
     def _dial(self, addr: str, epoch: int, index: int, deadline: float,
-              extra: Optional[dict] = None) -> socket.socket:
+              extra: Optional[dict] = None, abortable: bool = True) -> socket.socket:
         host, port = addr.rsplit(":", 1)
         me = self.ident
         delay = 0.005
         while True:
-            if self._aborted.is_set():
+            if abortable and self._aborted.is_set():
                 raise RecoverableError(addr, f"aborted: {self._abort_reason}")
             sock = None
             try:
