@@ -139,6 +139,10 @@ class ReplicaManager:
     # -- setup ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Open FTAR and the state server; the leader registers with etcd. Do slow init first."""
+        if self.incarnation > 0:
+            # A restarted replica will almost surely catch up: build its optimizer state now,
+            # in the slow init, not on the catch-up's critical path.
+            self._materialize_optimizer_state()
         self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
         self.server = StateServer(self.secret.encode(), name=f"r{self.rid}/rank{self.rank}")
         addrs = self._gather((self.ftar.address, self.server.address))
@@ -296,7 +300,9 @@ class ReplicaManager:
 
     def _materialize_optimizer_state(self) -> None:
         """A fresh replica has no optimizer state yet; take one step with zero grads and lr 0
-        so that every state tensor exists (its values are overwritten by the catch-up)."""
+        so that every state tensor exists, then zero every state tensor. Zeroed state is what
+        lazy initialization creates (Adam/AdamW moments and step, SGD momentum), so a replica
+        that ends up not catching up trains exactly as a fresh one would."""
         params = self._params()
         if all(self.optimizer.state.get(p) for p in params):
             return
@@ -311,6 +317,11 @@ class ReplicaManager:
             g["lr"] = lr
         for p, gr in zip(params, grads):
             p.grad = gr
+        with torch.no_grad():
+            for p in params:
+                for v in self.optimizer.state.get(p, {}).values():
+                    if torch.is_tensor(v):
+                        _local(v).zero_()
 
     def _catch_up(self, plan: StepPlan) -> bool:
         q = plan.quorum

@@ -93,14 +93,17 @@ def stall_around(rows: list[dict], t_event: float) -> float:
     return max(spanning) - statistics.median(dts)
 
 
-def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_up(job_factory):
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_up(job_factory, world):
     args = ("--dim", "64", "--hidden", "256", "--depth", "3", "--batch", "8", "--ttl", "1", "--ftar-timeout", "5",
-            "--init-timeout", "30", "--digest-every", "1", "--steps", "300", "--step-sleep", "0.02")
-    job = job_factory(args=args, extra={(1, 0): ["--kill-in-exchange-at", "12"]})
+            "--init-timeout", "30", "--digest-every", "1", "--steps", "300" if world == 1 else "150",
+            "--step-sleep", "0.02" if world == 1 else "0.05")
+    job = job_factory(world=world, args=args, extra={(1, 0): ["--kill-in-exchange-at", "12"]})
     job.start_all()
     job.wait_exit(1, timeout_s=120)
     t_kill = time.time()
-    job.evict(1, "rank 0 exited with -9")  # what the supervisor does at once
+    job.replicas[1].kill()  # the supervisor kills the rest of the replica
+    job.evict(1, "rank 0 exited with -9")  # and writes the eviction at once
     time.sleep(1.0)
     job.start(1, inc=1)
     job.wait_done(240)
@@ -160,7 +163,7 @@ def test_catchup_of_a_100mb_state_is_faster_than_a_step_and_does_not_slow_the_he
     job = job_factory(args=args)
     job.start_all()
     r0 = job.replicas[0]
-    r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 8, 240)
+    r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 14, 240)
     # Steady state with all three replicas (the first steps warm up).
     step_s = statistics.median([x["dt"] for x in r0.steps()[3:] if x["members"] == [0, 1, 2]])
     job.replicas[1].kill()
@@ -171,6 +174,10 @@ def test_catchup_of_a_100mb_state_is_faster_than_a_step_and_does_not_slow_the_he
     healthy = r0.wait_for(lambda x: x.get("event") == "step" and 1 in x["lagging"], 10)
     assert lag["state_mb"] >= 100
     assert lag["catchup_ms"] / 1e3 < step_s, (lag["catchup_ms"], step_s)
-    # The healthy replica's step during the catch-up is a normal 3-replica step: the rejoin
-    # stall (its excess over the steady step) stays under 0.2 of a step.
-    assert healthy["dt"] - step_s < 0.2 * step_s, (healthy["dt"], step_s)
+    # The healthy replica's step during the catch-up is an ordinary 3-replica step: no longer
+    # than the slowest steady step plus a tenth of a step (steps vary by ~30% on 2 cores).
+    steady = [x["dt"] for x in r0.steps()[3:15] if x["members"] == [0, 1, 2]]
+    assert healthy["dt"] < max(steady) + 0.1 * step_s, (healthy["dt"], steady)
+    # Nor does the next round wait for the caught-up replica to finish its step.
+    after = r0.wait_for(lambda x: x.get("event") == "step" and x["step"] == healthy["step"] + 1, 30)
+    assert after["dt"] < max(steady) + 0.1 * step_s, (after["dt"], steady)
