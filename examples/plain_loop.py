@@ -178,6 +178,12 @@ def main(argv: list[str]) -> int:
                          lr_intervention=a.lr_mode, chunk_bytes=1 << 20, num_chunks=4)
     mgr.start()
     schedule = parse_failures(a.failures, R)
+    if env.get("LFT_CONFIG"):  # launched by `lightning-ft run`: failures come from the job config
+        from lightning_ft.config import load_config
+        from lightning_ft.launch.failure import FailureSchedule
+
+        cfg_sched = FailureSchedule.from_config(load_config(env["LFT_CONFIG"]).failure, R)
+        schedule = FailureSchedule(schedule.events() + cfg_sched.events(), replicas=R)
     leader = rank == 0
     if leader:
         emit(event="started", rid=rid, inc=inc, cursor=mgr.cursor)

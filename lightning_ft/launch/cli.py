@@ -1,7 +1,19 @@
 """The `lightning-ft` command (DESIGN §9).
 
+    lightning-ft run --replicas R --nproc-per-replica W [--etcd HOST:PORT] [--config cfg.yaml]
+                     [--replica-ids 0,1] [--run-dir DIR] [--no-status] script.py [script args] [key=value ...]
+        Start R replicas of W processes of `script.py` under the supervisor: an embedded etcd
+        unless --etcd is given, evictions written at once on a death, restarts, a live status
+        table and `events.jsonl` in the run directory. `key=value` arguments are config
+        overrides (configs/default.yaml); the resolved config is written to RUN_DIR/config.yaml
+        and its path passed to every process as LFT_CONFIG.
+
     lightning-ft etcd [--host 127.0.0.1] [--port 2379] [--data-dir DIR]
         Run a single-member etcd in the foreground for a job to use (Ctrl-C stops it).
+
+Multi-node: run `lightning-ft etcd --host 0.0.0.0` (or use your own etcd) and start one
+`lightning-ft run --etcd HOST:PORT --replica-ids ...` per node with the same job settings,
+or start each replica's processes with torchrun/srun and the LFT_* variables of DESIGN §9.
 """
 from __future__ import annotations
 
@@ -42,6 +54,100 @@ def _cmd_etcd(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(a: argparse.Namespace) -> int:
+    import os
+    import secrets
+
+    from lightning_ft.config import ConfigError, load_config, parse_overrides, to_yaml
+    from lightning_ft.launch.supervisor import Supervisor
+
+    overrides, script_args = parse_overrides(a.args)
+    for key, val in (("replicas", a.replicas), ("nproc_per_replica", a.nproc_per_replica), ("job", a.job),
+                     ("etcd.endpoint", a.etcd), ("run_dir", a.run_dir)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    try:
+        cfg = load_config(a.config, overrides)
+    except ConfigError as e:
+        print(f"lightning-ft run: {e}", file=sys.stderr)
+        return 2
+    if not os.path.exists(a.script):
+        print(f"lightning-ft run: no such script: {a.script}", file=sys.stderr)
+        return 2
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    replica_ids = [int(x) for x in a.replica_ids.split(",")] if a.replica_ids else None
+    secret = cfg.secret or os.environ.get("LFT_SECRET")
+    if not secret and replica_ids is not None:
+        print("lightning-ft run: launchers on several nodes must share the job secret: pass secret=... "
+              "or set LFT_SECRET on every node", file=sys.stderr)
+        return 2
+    secret = secret or secrets.token_hex(16)  # one launcher runs every replica: any secret will do
+    config_path = os.path.abspath(os.path.join(cfg.run_dir, "config.yaml"))
+    with open(config_path, "w") as f:
+        f.write(to_yaml(cfg))
+    server = None
+    endpoint = cfg.etcd.endpoint
+    if not endpoint:
+        from lightning_ft.coord.etcd_server import EtcdServer
+
+        server = EtcdServer().start()
+        endpoint = server.endpoint
+    print(f"lightning-ft: job {cfg.job!r}: {cfg.replicas} replicas x {cfg.nproc_per_replica} processes, "
+          f"etcd {endpoint}{' (embedded)' if server else ''}, run dir {cfg.run_dir}", flush=True)
+    sup = None
+    try:
+        sup = Supervisor([sys.executable, a.script, *script_args], replicas=cfg.replicas,
+                         nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
+                         run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
+                         max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, env={"LFT_CONFIG": config_path})
+        sup.start()
+        if a.no_status or not sys.stdout.isatty():
+            rc = sup.run(timeout_s=a.timeout)
+        else:
+            rc = _run_with_status(sup, a.timeout)
+        _print_summary(sup, rc)
+        return rc
+    finally:
+        if sup is not None:
+            sup.shutdown()
+        if server is not None:
+            server.cleanup()
+
+
+def _status_table(sup) -> "object":
+    from rich.table import Table
+
+    t = Table(title="lightning-ft")
+    for col in ("replica", "state", "incarnation", "step", "restarts", "last event"):
+        t.add_column(col)
+    for st in sup.status():
+        t.add_row(str(st["rid"]), st["state"], str(st["incarnation"]), str(st.get("step", "")),
+                  str(st.get("restarts", 0)), str(st.get("last_event", ""))[:60])
+    return t
+
+
+def _run_with_status(sup, timeout_s) -> int:
+    from rich.live import Live
+
+    box = {"rc": None}
+
+    def until() -> bool:
+        live.update(_status_table(sup))
+        return False
+
+    with Live(_status_table(sup), refresh_per_second=4) as live:
+        box["rc"] = sup.run(until=until, timeout_s=timeout_s, poll_s=0.25)
+    return box["rc"]
+
+
+def _print_summary(sup, rc: int) -> None:
+    for st in sup.status():
+        print(f"replica {st['rid']}: {st['state']}, incarnation {st['incarnation']}, "
+              f"restarts {st.get('restarts', 0)}, step {st.get('step', '?')}")
+    print(f"lightning-ft run: exit code {rc}; events in {sup.run_dir}/events.jsonl, logs in {sup.run_dir}/logs",
+          flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-ft", description="Fault-tolerant HSDP for PyTorch Lightning")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -50,6 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--port", type=int, default=2379)
     e.add_argument("--data-dir", default=None, help="keep data here (default: a temp dir removed at exit)")
     e.set_defaults(fn=_cmd_etcd)
+    r = sub.add_parser("run", help="start and supervise the replicas of a training script")
+    r.add_argument("--replicas", type=int, default=None, help="R (default: config `replicas`)")
+    r.add_argument("--nproc-per-replica", type=int, default=None, help="W (default: config `nproc_per_replica`)")
+    r.add_argument("--etcd", default=None, help="external etcd HOST:PORT (default: start an embedded one)")
+    r.add_argument("--config", default=None, help="YAML config (see configs/default.yaml)")
+    r.add_argument("--job", default=None)
+    r.add_argument("--run-dir", default=None)
+    r.add_argument("--replica-ids", default="", help="comma-separated ids this launcher runs (multi-node)")
+    r.add_argument("--max-restarts", type=int, default=10)
+    r.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
+    r.add_argument("--no-status", action="store_true", help="no live table (events still go to events.jsonl)")
+    r.add_argument("script")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments and key=value config overrides")
+    r.set_defaults(fn=_cmd_run)
     return p
 
 

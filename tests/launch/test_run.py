@@ -1,0 +1,80 @@
+"""`lightning-ft run` end to end with the plain loop: embedded etcd, supervision, config
+overrides with a failure schedule, and two launchers sharing one external etcd."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+from lightning_ft.bench.localjob import LOOP
+
+LOOP_ARGS = ["--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "1", "--init-timeout", "30"]
+
+
+def lft(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_ft.launch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def final_digests(run_dir) -> dict[int, list[str]]:
+    out = {}
+    logs = os.path.join(run_dir, "logs")
+    for name in sorted(os.listdir(logs)):
+        if not name.endswith(".rank0.log"):
+            continue
+        rid = int(name[1:name.index(".")])
+        for line in open(os.path.join(logs, name)):
+            if line.startswith("{") and json.loads(line)["event"] == "final":
+                out[rid] = json.loads(line)["digest"]
+    return out
+
+
+def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
+    run_dir = tmp_path / "run"
+    r = lft("run", "--replicas", "2", "--nproc-per-replica", "1", "--run-dir", str(run_dir), "--no-status",
+            "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "160", "--step-sleep", "0.05",
+            "failure.events=[{replica: 1, step: 10, kind: kill}]", "failure.restart_delay_s=0.2",
+            "job=" + "run" + uuid.uuid4().hex[:6])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "(embedded)" in r.stdout and "exit code 0" in r.stdout
+    events = [json.loads(l) for l in open(run_dir / "events.jsonl")]
+    assert [(e["event"], e["replica"]) for e in events if e["event"] in ("evict", "restart")] == [
+        ("evict", 1), ("restart", 1)]
+    assert "failure:" in (run_dir / "config.yaml").read_text()
+    finals = final_digests(run_dir)
+    assert set(finals) == {0, 1} and finals[0] == finals[1]
+
+
+def test_two_launchers_with_disjoint_replica_ids_share_an_external_etcd(tmp_path, etcd_endpoint):
+    job = "mn" + uuid.uuid4().hex[:6]
+    procs = [subprocess.Popen([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2",
+                               "--nproc-per-replica", "1", "--etcd", etcd_endpoint, "--replica-ids", str(rid),
+                               "--job", job, "--run-dir", str(tmp_path / f"node{rid}"), "--no-status",
+                               "--timeout", "200", LOOP, *LOOP_ARGS, "--steps", "30", "secret=shared"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rid in (0, 1)]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, out[-2000:] + err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    d0, d1 = final_digests(tmp_path / "node0"), final_digests(tmp_path / "node1")
+    assert d0[0] == d1[1]
+
+
+def test_run_rejects_an_unknown_override_by_name(tmp_path):
+    r = lft("run", "--replicas", "1", "--no-status", LOOP, "ftar.chunk_mbb=8", timeout=60)
+    assert r.returncode == 2
+    assert "unknown config key 'ftar.chunk_mbb'" in r.stderr
+
+
+def test_multi_node_launch_without_a_shared_secret_is_refused(tmp_path, etcd_endpoint):
+    env = {k: v for k, v in os.environ.items() if k != "LFT_SECRET"}
+    r = subprocess.run([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd",
+                        etcd_endpoint, "--replica-ids", "0", "--no-status", LOOP], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 2 and "must share the job secret" in r.stderr
