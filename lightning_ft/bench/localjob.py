@@ -5,18 +5,17 @@ killed, stopped, evicted and restarted. Every process is tracked by PID and kill
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from typing import Callable, Optional
 
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
+from lightning_ft.jsonlines import JsonLines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo checkout
 LOOP = os.path.join(ROOT, "examples", "plain_loop.py")
@@ -26,8 +25,6 @@ class Replica:
     def __init__(self, job: "Job", rid: int, inc: int) -> None:
         self.rid, self.inc = rid, inc
         self.procs: list[subprocess.Popen] = []
-        self.rows: list[dict] = []
-        self.cv = threading.Condition()
         port = free_port()
         for rank in range(job.world):
             env = {**os.environ, "LFT_JOB": job.name, "LFT_REPLICA_ID": str(rid), "LFT_NUM_REPLICAS": str(job.R),
@@ -38,34 +35,21 @@ class Replica:
             p = subprocess.Popen([sys.executable, LOOP, *job.args, *job.extra.get((rid, inc), [])], env=env,
                                  stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
             self.procs.append(p)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.out = JsonLines(self.procs[0].stdout)
 
-    def _read(self) -> None:
-        for line in self.procs[0].stdout:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self.cv:
-                self.rows.append(row)
-                self.cv.notify_all()
+    @property
+    def rows(self) -> list[dict]:
+        return self.out.rows
 
     def steps(self, event: str = "step") -> list[dict]:
-        with self.cv:
-            return [r for r in self.rows if r.get("event") == event]
+        return self.out.select(lambda r: r.get("event") == event)
 
     def wait_for(self, pred: Callable[[dict], bool], timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        with self.cv:
-            while True:
-                for r in self.rows:
-                    if pred(r):
-                        return r
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"replica {self.rid}.{self.inc} never matched; exit codes "
-                                         f"{[p.poll() for p in self.procs]}; last rows {self.rows[-3:]}")
-                self.cv.wait(min(left, 0.1))
+        row = self.out.wait_for(pred, timeout_s)
+        if row is None:
+            raise AssertionError(f"replica {self.rid}.{self.inc} never matched; exit codes "
+                                 f"{[p.poll() for p in self.procs]}; last rows {self.rows[-3:]}")
+        return row
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)

@@ -19,13 +19,13 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Optional
 
 from .coordinator import Coordinator
 from .quorum import JobSpec
 from .store import EtcdStore
+from lightning_ft.jsonlines import JsonLines
 
 
 def leader_main(argv: list[str]) -> int:
@@ -84,39 +84,17 @@ class LeaderProc:
                "--rid", str(rid), "--inc", str(inc), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
-        self.lines: list[dict] = []
-        self.eof = False
-        self.cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.out = JsonLines(self.proc.stdout)
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self.cv:
-                self.lines.append(obj)
-                self.cv.notify_all()
-        with self.cv:
-            self.eof = True
-            self.cv.notify_all()
+    @property
+    def lines(self) -> list[dict]:
+        return self.out.rows
 
     def rounds(self) -> list[dict]:
-        with self.cv:
-            return [l for l in self.lines if "round" in l]
+        return self.out.select(lambda l: "round" in l)
 
     def wait_for(self, pred, timeout_s: float) -> Optional[dict]:
-        deadline = time.monotonic() + timeout_s
-        with self.cv:
-            while True:
-                for l in self.lines:
-                    if pred(l):
-                        return l
-                left = deadline - time.monotonic()
-                if left <= 0 or self.eof:
-                    return None
-                self.cv.wait(min(left, 0.1))
+        return self.out.wait_for(pred, timeout_s)
 
     def signal(self, sig: int) -> None:
         try:

@@ -2,7 +2,6 @@
 fatal mismatches. Multi-process tests bound every wait and kill their processes by PID."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from lightning_ft.ftar.engine import FTAR
+from lightning_ft.jsonlines import JsonLines
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
@@ -25,28 +25,18 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, WORKER, str(d), str(rank), str(n), scenario, str(victim)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
-        self.events: list[dict] = []
-        self.cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.out = JsonLines(self.proc.stdout)
 
-    def _read(self):
-        for line in self.proc.stdout:
-            with self.cv:
-                self.events.append(json.loads(line))
-                self.cv.notify_all()
+    @property
+    def events(self) -> list[dict]:
+        return self.out.rows
 
     def wait_event(self, name, timeout_s):
-        deadline = time.monotonic() + timeout_s
-        with self.cv:
-            while True:
-                for e in self.events:
-                    if e["event"] == name:
-                        return e
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    err = self.proc.stderr.read() if self.proc.poll() is not None else "(running)"
-                    raise AssertionError(f"rank {self.rank} never reported {name!r}; events {self.events}; {err}")
-                self.cv.wait(min(left, 0.1))
+        e = self.out.wait_for(lambda e: e["event"] == name, timeout_s)
+        if e is None:
+            err = self.proc.stderr.read() if self.proc.poll() is not None else "(running)"
+            raise AssertionError(f"rank {self.rank} never reported {name!r}; events {self.events}; {err}")
+        return e
 
 
 @pytest.fixture

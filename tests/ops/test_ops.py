@@ -12,24 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from bitcheck import assert_same_bits, bits
+
 from lightning_ft import ops
 from lightning_ft.ops import torch_copy_, torch_reduce_, torch_scale_
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 4097, 65535]
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(BITS[t.dtype])
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Bitwise equal, except that any NaN matches any NaN (implementations pick different NaN bits)."""
-    nan = expected.isnan()
-    assert torch.equal(actual.isnan(), nan), "NaN positions differ"
-    diff = (bits(actual) != bits(expected)) & ~nan
-    assert not diff.any(), f"{int(diff.sum())} elements differ, first at {int(diff.nonzero()[0])}"
 
 
 def bf16_rne_reference(x: np.ndarray) -> np.ndarray:

@@ -19,6 +19,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot be tested")
 
+from bitcheck import assert_same_bits, bits  # noqa: E402
+
 from lightning_ft import ops  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -27,22 +29,9 @@ numpy_overflow_ok = pytest.mark.filterwarnings("ignore:overflow encountered:Runt
 numpy_nan_ok = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # (n, block): small blocks make the persistent loop go round many times; 65535 uses the default block.
 SHAPES = [(1, 64), (7, 4), (4097, 128), (65535, 4096)]
 PROGRAMS = [1, 2, 3]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(BITS[t.dtype])
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Bitwise equal, except that any NaN matches any NaN (implementations pick different NaN bits)."""
-    nan = expected.isnan()
-    assert torch.equal(actual.isnan(), nan), "NaN positions differ"
-    diff = (bits(actual) != bits(expected)) & ~nan
-    assert not diff.any(), f"{int(diff.sum())} elements differ, first at {int(diff.nonzero()[0])}"
 
 
 def random_pair(n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
