@@ -65,7 +65,18 @@ _LEN = struct.Struct(">Q")
 
 
 class CatchupError(RuntimeError):
-    """A catch-up fetch failed; the message says from where, which version, why and what to do."""
+    """A fetch failed. `status` is the server's HTTP status (None: no answer) and
+    `server_version` the version it holds, when it said so (409)."""
+
+    def __init__(self, message: str, status: Optional[int] = None, server_version: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.server_version = server_version
+
+    def not_yet_published(self, version: int) -> bool:
+        """The server has nothing, or a version older than `version`: it may publish soon."""
+        return self.status == 404 or (self.status == 409 and self.server_version is not None
+                                      and self.server_version < version)
 
 
 def _auth(secret: bytes, version: int, fetcher: str, nonce: str, stamp: str) -> str:
@@ -446,12 +457,13 @@ def _status_error(where: str, resp: _Body) -> CatchupError:
         return CatchupError(f"{where} failed: authentication refused ({reason}); check that both replicas "
                             f"use the same job secret and their clocks agree within {MAX_SKEW_S:.0f} s")
     if resp.status == 409:
-        return CatchupError(f"{where} failed: server has version {body.get('version')}; the healthy replica "
-                            f"moved on — retry in the next round")
+        have = body.get("version")
+        return CatchupError(f"{where} failed: server has version {have}; the healthy replica moved on or has "
+                            f"not published this version yet — retry", 409, have if isinstance(have, int) else None)
     if resp.status in (404, 410):
         return CatchupError(f"{where} failed: {reason} (HTTP {resp.status}); the healthy replica is not "
-                            f"serving this version — retry in the next round")
-    return CatchupError(f"{where} failed: HTTP {resp.status}: {reason}")
+                            f"serving this version — retry in the next round", resp.status)
+    return CatchupError(f"{where} failed: HTTP {resp.status}: {reason}", resp.status)
 
 
 def _read_exact(resp: _Body, buf: memoryview, where: str, what: str) -> None:

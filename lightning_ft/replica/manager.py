@@ -328,12 +328,21 @@ class ReplicaManager:
         src = q.contributors[(self.rid + self.rank) % len(q.contributors)]
         addr = q.state_addrs[q.index(src)][self.rank]
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.ftar.timeout_s
         try:
             self._materialize_optimizer_state()
             into = self.state_tensors()
-            with torch.no_grad():
-                meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
-                                          timeout_s=max(10.0, self.ftar.timeout_s * 2))
+            while True:
+                try:
+                    with torch.no_grad():
+                        meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(),
+                                                  f"{self.rid}/{self.rank}", timeout_s=max(10.0, self.ftar.timeout_s * 2))
+                    break
+                except CatchupError as e:
+                    # The healthy ranks publish right after they get the same quorum; we may be early.
+                    if not e.not_yet_published(plan.step) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.002)
         except CatchupError as e:
             log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
             return False

@@ -276,3 +276,21 @@ def test_throughput_100mb(server):
     assert stats["bytes"] == 100 << 20
     assert _bitwise_equal(into, state)
     assert stats["gbps"] >= 0.5
+
+
+def test_errors_say_whether_the_version_may_still_be_published():
+    server = StateServer(b"k")
+    try:
+        t = {"a": torch.zeros(4)}
+        with pytest.raises(CatchupError) as nothing:
+            fetch_state(server.address, 3, t, b"k", "f", timeout_s=5)
+        assert nothing.value.status == 404 and nothing.value.not_yet_published(3)
+        server.publish(2, {"a": torch.ones(4)}, {})
+        with pytest.raises(CatchupError) as older:
+            fetch_state(server.address, 3, t, b"k", "f", timeout_s=5)
+        assert older.value.server_version == 2 and older.value.not_yet_published(3)
+        with pytest.raises(CatchupError) as newer:
+            fetch_state(server.address, 1, t, b"k", "f", timeout_s=5)
+        assert newer.value.server_version == 2 and not newer.value.not_yet_published(1)
+    finally:
+        server.close()
