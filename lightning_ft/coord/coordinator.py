@@ -223,7 +223,10 @@ class Coordinator:
                 if (self.rid, self.incarnation) in q.member_set():
                     self._adopt(q)
                     return q
-                # Left out (we reported too late): try the round after the newest decided one.
+                # Left out: evicted (exit), or we reported too late (try the next round).
+                if self.store.get(self.key("evict", self.rid, self.incarnation)) is not None:
+                    raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted; exiting so "
+                                  "the supervisor restarts it")
                 self._publish(step, max(round, self._latest_round()) + 1)
                 started = self._clock()
                 continue
@@ -237,8 +240,9 @@ class Coordinator:
             self._current = q
             self._dead = {m for m in self._dead if m in q.member_set()}
         self._next_round = q.round + 1
-        for r in [r for r in self._decisions if r <= q.round]:
-            self._decisions.pop(r, None)
+        for r in list(self._decisions):  # list(): the watch thread inserts concurrently
+            if r <= q.round:
+                self._decisions.pop(r, None)
         self._log_reason(q.reason)
 
     def _is_decider(self, waited_s: float) -> bool:

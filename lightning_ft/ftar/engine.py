@@ -75,6 +75,7 @@ class FTAR:
 
     def __init__(self, job: str, replica: int, rank: int, secret: bytes | str, *, chunk_bytes: int = 4 << 20,
                  num_chunks: int = 4, timeout_s: float = 5.0, connect_timeout_s: float = 5.0,
+                 start_timeout_s: float = 300.0,
                  transport: str | Transport = "tcp", bind_host: str = "127.0.0.1", staged: bool = False) -> None:
         if chunk_bytes <= 0 or num_chunks <= 0:
             raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} num_chunks={num_chunks}")
@@ -83,6 +84,11 @@ class FTAR:
         self._job = job_hash(job)
         self.S, self.C = chunk_bytes, num_chunks
         self.timeout_s = timeout_s
+        """Longest silence of a peer in the middle of an all-reduce."""
+        self.start_timeout_s = max(start_timeout_s, timeout_s)
+        """Longest wait for the first chunk of an all-reduce: peers may still be computing (a
+        lagging replica calls in at once, contributors after their backward). Dead peers are
+        caught sooner by closed connections and by the eviction watch's abort."""
         self.connect_timeout_s = connect_timeout_s
         self.staged = staged
         """Force the staged (registered-slot) data path even on a zero-copy transport."""
@@ -98,8 +104,7 @@ class FTAR:
             self.transport = RdmaTransport(self.ident, bind_host)
         else:
             raise FatalError(f"unknown FTAR transport {transport!r}; use 'tcp' or 'rdma'")
-        if hasattr(self.transport, "set_abort_handler"):
-            self.transport.set_abort_handler(self.abort)
+        self.transport.set_abort_handler(self._remote_abort)
         # Allocated once: C slots of S bytes each way (registered with the transport).
         self.sendbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
         self.recvbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
@@ -178,9 +183,23 @@ class FTAR:
                 self._broken = RecoverableError(None, f"aborted: {reason}")
         self.transport.abort(reason)
 
-    def abort_peer(self, address: str, reason: str, timeout_s: float = 1.0) -> None:
-        """Abort the FTAR of another rank of this replica, whose address is `address`."""
-        self.transport.abort_peer(address, reason, timeout_s)
+    def _remote_abort(self, reason: str, epoch: int) -> None:
+        """An abort from our replica's leader, about the ring of `epoch`; older ones are stale."""
+        ring = self._ring
+        if ring is not None and epoch < ring.epoch:
+            log.info("ignoring a stale abort for epoch %d (ring is at %d): %s", epoch, ring.epoch, reason)
+            return
+        self.abort(reason)
+
+    def abort_peer(self, address: str, reason: str, epoch: int, timeout_s: float = 1.0) -> None:
+        """Abort the FTAR of another rank of this replica (at `address`) if its ring is at
+        `epoch` or older."""
+        self.transport.abort_peer(address, reason, epoch, timeout_s)
+
+    @property
+    def broken(self) -> bool:
+        """A failure or abort happened since the last reconfigure: the next all-reduce is skipped."""
+        return self._broken is not None
 
     def close(self) -> None:
         with self._lock:
@@ -262,7 +281,8 @@ class FTAR:
                 self._mismatch(hdr, want)
             return dest
 
-        self.transport.recv(check, self.timeout_s)
+        first = want.partition == 0 and want.step == 0 and want.chunk == 0
+        self.transport.recv(check, self.start_timeout_s if first else self.timeout_s)
 
     def _partition_zero_copy(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int,
                              divisor: Optional[float]) -> None:
@@ -315,7 +335,8 @@ class FTAR:
                 user = flat[c.start:c.end]
                 self._recv_checked(self._header(ring, flat, p, s, j, c.numel * es), byte_view(recv))
                 if forward:
-                    self.transport.wait_sent(tickets[j], self.timeout_s)  # the slot's last send is out
+                    # The slot's last send is out (at step 0 the right neighbour may still be computing).
+                    self.transport.wait_sent(tickets[j], self.start_timeout_s if s == 0 else self.timeout_s)
                 if st.phase == "rs":
                     if st.last_rs and divisor is not None:
                         ops.reduce_(out, recv, user)

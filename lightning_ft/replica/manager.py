@@ -99,7 +99,8 @@ class ReplicaManager:
                  rank: int = 0, world: int = 1, pg: Any = None, min_replicas: int = 1, prefix: str = "/lft",
                  lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0, init_timeout_s: float = 10.0,
                  lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20, num_chunks: int = 4,
-                 ftar_timeout_s: float = 5.0, quorum_timeout_s: float = 300.0, bind_host: str = "127.0.0.1",
+                 ftar_timeout_s: float = 5.0, quorum_timeout_s: Optional[float] = None,
+                 bind_host: str = "127.0.0.1",
                  fingerprint: Optional[dict] = None, scheduler: Any = None) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
@@ -115,8 +116,10 @@ class ReplicaManager:
         self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s,
                             fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
         self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s)
+        self.hang_timeout_s = hang_timeout_s
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
-                             connect_timeout_s=max(2.0, ftar_timeout_s), bind_host=bind_host)
+                             connect_timeout_s=max(2.0, ftar_timeout_s), bind_host=bind_host,
+                             start_timeout_s=hang_timeout_s)
         self.step = 0
         """Committed steps of this replica (its state is at the end of step `step - 1`)."""
         self.cursor = 0
@@ -126,6 +129,8 @@ class ReplicaManager:
         self._epoch = -1
         self._rank_addrs: list[str] = []
         self._ring_ok = True
+        self._dirty = False
+        """A catch-up wrote into our state and did not commit: never contribute from it."""
         self._flat: Optional[torch.Tensor] = None
         self._exchange_ok = False
         self.stats = StepStats()
@@ -160,14 +165,15 @@ class ReplicaManager:
         """Eviction or lease expiry of a current member (leader's watch thread): interrupt the
         exchange at once on this rank and, through their FTAR listeners, on our other ranks."""
         why = f"replica {rid} {reason}"
+        epoch = self._epoch
         if self.ftar is not None:
             self.ftar.abort(why)
         for addr in self._rank_addrs[1:]:
-            threading.Thread(target=self._abort_rank, args=(addr, why), daemon=True).start()
+            threading.Thread(target=self._abort_rank, args=(addr, why, epoch), daemon=True).start()
 
-    def _abort_rank(self, addr: str, why: str) -> None:
+    def _abort_rank(self, addr: str, why: str, epoch: int) -> None:
         try:
-            self.ftar.abort_peer(addr, why)
+            self.ftar.abort_peer(addr, why, epoch)
         except Exception as e:  # the rank may be gone already; its own errors will surface
             log.warning("replica %d: could not forward abort to %s: %s", self.rid, addr, e)
 
@@ -193,8 +199,9 @@ class ReplicaManager:
             try:
                 self.coord.heartbeat()
                 self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid))
+                ring_ok = self._ring_ok and not self.ftar.broken
                 q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
-                                      ring_ok=self._ring_ok)
+                                      ring_ok=ring_ok)
                 if self.rid in q.lagging:
                     # Read after the decision: the contributors recorded the previous step
                     # (possibly with our batch, if we failed to commit it) before reporting.
@@ -207,12 +214,23 @@ class ReplicaManager:
             raise msg
         q, self.cursor = msg
         self.stats = StepStats(quorum_s=time.perf_counter() - t0, retries=self.stats.retries)
+        lagging = self.rid in q.lagging
+        if self._dirty and not lagging:
+            raise RuntimeError(
+                f"replica {self.rid}: a failed catch-up left this replica's state partly overwritten and no "
+                "healthy replica is ahead of it to catch up from; restart the job from a checkpoint")
         if q.epoch != self._epoch:  # a failed exchange (ring_ok=False) always bumps the epoch
             ring = [q.addrs[i][self.rank] for i in range(len(q.members))]
-            self.stats.reconfigure_s = self.ftar.reconfigure(q.epoch, ring, q.index(self.rid))
-            self._epoch = q.epoch
-            self._ring_ok = True
-        lagging = self.rid in q.lagging
+            try:
+                self.stats.reconfigure_s = self.ftar.reconfigure(q.epoch, ring, q.index(self.rid))
+                self._epoch = q.epoch
+                self._ring_ok = True
+            except FatalError:
+                raise
+            except FTARError as e:  # a neighbour died while connecting: this round fails, the next rebuilds
+                log.warning("replica %d rank %d: connecting the ring of epoch %d failed: %s", self.rid,
+                            self.rank, q.epoch, e)
+                self._ring_ok = False
         if not lagging and q.lagging:
             self._publish_snapshot(q)
         plan = StepPlan(step=q.max_step, quorum=q, lagging=lagging, divisor=len(q.contributors),
@@ -249,9 +267,11 @@ class ReplicaManager:
         ok = True
         work = self.ftar.allreduce([flat], divisor=float(plan.divisor))
         if plan.lagging:  # fetch the healthy state while our zeros are on the wire
+            self._dirty = True
             ok = self._catch_up(plan)
         try:
-            work.wait(self.ftar.timeout_s * 4 + 10)
+            # Bounded by the engine's own deadlines; this only guards against a stuck engine.
+            work.wait(self.hang_timeout_s + self.ftar.timeout_s * 4 + flat.numel() * flat.element_size() / 1e7)
         except FatalError:
             raise
         except FTARError as e:
@@ -350,7 +370,6 @@ class ReplicaManager:
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
         if self.scheduler is not None and meta.get("scheduler") is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
-        self.step = plan.step
         self.stats.catchup_s = time.perf_counter() - t0
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
         self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
@@ -379,6 +398,7 @@ class ReplicaManager:
                 g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         self.step = plan.step + 1
+        self._dirty = False
         if plan.contribute:
             self.cursor = plan.batch_index + 1
         if self.is_leader:

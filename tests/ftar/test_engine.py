@@ -282,13 +282,32 @@ def test_replica_leader_can_abort_another_rank_of_its_replica():
         assert connect_all(r1) == {}
         w = r1[0].allreduce([torch.ones(1000)])  # replica 1's rank 1 never joins
         with pytest.raises(RecoverableError):
-            stranger.abort_peer(r1[0].address, "not my replica", timeout_s=1)
+            stranger.abort_peer(r1[0].address, "not my replica", 1, timeout_s=1)
         assert not w.done()
         t0 = time.monotonic()
         leader.abort("replica 2 evicted: SIGKILL")  # the leader aborts itself first, then forwards
-        leader.abort_peer(r1[0].address, "replica 2 evicted: SIGKILL")
+        leader.abort_peer(r1[0].address, "stale: about epoch 0", 0)  # the ring is at epoch 1: ignored
+        time.sleep(0.05)
+        assert not w.done()
+        leader.abort_peer(r1[0].address, "replica 2 evicted: SIGKILL", 1)
         with pytest.raises(RecoverableError, match="aborted: replica 2 evicted: SIGKILL"):
             w.wait(5)
         assert time.monotonic() - t0 < 0.1
     finally:
         close_all(r1 + [leader, stranger])
+
+
+def test_first_chunk_waits_for_a_late_peer_but_later_silence_times_out():
+    """A lagging replica calls in at once while contributors still run their backward: the
+    first chunk may take long (start_timeout_s); silence mid-collective (timeout_s) may not."""
+    fs = make_ring(2, timeout_s=0.3, start_timeout_s=5.0)
+    try:
+        assert connect_all(fs) == {}
+        early = fs[0].allreduce([torch.ones(50000)])
+        time.sleep(1.0)  # > timeout_s: the late peer is "still computing"
+        late = fs[1].allreduce([torch.ones(50000)])
+        early.wait(10)
+        late.wait(10)
+        assert torch.equal(early.tensors[0], torch.full((50000,), 2.0))
+    finally:
+        close_all(fs)

@@ -145,12 +145,13 @@ class Transport(ABC):
         """Interrupt every blocked call now (any thread). Calls fail until `connect`."""
 
     @abstractmethod
-    def abort_peer(self, addr: str, reason: str, timeout_s: float) -> None:
-        """Ask the transport listening at `addr` (another rank of our replica) to abort."""
+    def abort_peer(self, addr: str, reason: str, epoch: int, timeout_s: float) -> None:
+        """Ask the transport listening at `addr` (another rank of our replica) to abort its
+        ring of `epoch`."""
 
     @abstractmethod
-    def set_abort_handler(self, fn: Callable[[str], None]) -> None:
-        """`fn(reason)` is called when our replica's leader sends us an abort."""
+    def set_abort_handler(self, fn: Callable[[str, int], None]) -> None:
+        """`fn(reason, epoch)` is called when our replica's leader sends us an abort."""
 
     @abstractmethod
     def close(self) -> None:

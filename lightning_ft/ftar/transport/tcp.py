@@ -79,7 +79,8 @@ def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
             raise socket.timeout()
 
 
-def _tune(sock: socket.socket, timeout_s: float = 60.0) -> None:
+def _tune(sock: socket.socket, timeout_s: float = 600.0) -> None:
+    """Blocking socket with generous kernel timeouts: the engine bounds its own waits."""
     sock.settimeout(None)
     _set_timeout(sock, socket.SO_RCVTIMEO, timeout_s)
     _set_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
@@ -114,8 +115,8 @@ class _Listener:
         """Why recent connections were refused, newest last (for errors and tests)."""
         self.cv = threading.Condition()
         self.closed = False
-        self.on_abort: Optional[Callable[[str], None]] = None
-        """Called with the reason when our replica's leader asks us to abort (see abort_peer)."""
+        self.on_abort: Optional[Callable[[str, int], None]] = None
+        """Called with (reason, ring epoch) when our replica's leader asks us to abort (abort_peer)."""
         threading.Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -165,7 +166,7 @@ class _Listener:
             if control:
                 _close(conn)
                 if self.on_abort is not None:
-                    self.on_abort(str(hello.get("reason", "aborted by the replica leader")))
+                    self.on_abort(str(hello.get("reason", "aborted by the replica leader")), int(hello.get("ring", -1)))
                 return
             conn.settimeout(None)
             _tune(conn)
@@ -259,14 +260,14 @@ class TcpTransport(Transport):
                                         name=f"ftar-send-r{self.ident.replica}", daemon=True)
         self._sender.start()
 
-    def abort_peer(self, addr: str, reason: str, timeout_s: float = 1.0) -> None:
+    def abort_peer(self, addr: str, reason: str, epoch: int, timeout_s: float = 1.0) -> None:
         """Ask another rank of our replica (its FTAR listener at `addr`) to abort its
-        all-reduce now: the leader's eviction watch reaches every rank this way."""
+        all-reduce of ring `epoch` now: the leader's eviction watch reaches every rank this way."""
         # Independent of our own abort state: the leader forwards right after aborting itself.
-        _close(self._dial(addr, -1, -1, time.monotonic() + timeout_s, {"purpose": "abort", "reason": reason},
-                          abortable=False))
+        _close(self._dial(addr, -1, -1, time.monotonic() + timeout_s,
+                          {"purpose": "abort", "reason": reason, "ring": epoch}, abortable=False))
 
-    def set_abort_handler(self, fn: Callable[[str], None]) -> None:
+    def set_abort_handler(self, fn: Callable[[str, int], None]) -> None:
         self._listener.on_abort = fn
 
     def _dial(self, addr: str, epoch: int, index: int, deadline: float,
