@@ -54,8 +54,9 @@ def main() -> int:
     d, rank, n, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     victim = int(sys.argv[5]) if len(sys.argv) > 5 else -1
     timeout = float(os.environ.get("FTAR_TIMEOUT", "5"))
+    # The configured timeout also bounds the wait for the first chunk (no eviction watch here).
     f = FTAR("testjob", rank, 0, "secret", chunk_bytes=64 << 10, num_chunks=4, timeout_s=timeout,
-             connect_timeout_s=10)
+             start_timeout_s=timeout, connect_timeout_s=10)
     tmp = os.path.join(d, f"addr.{rank}.tmp")
     with open(tmp, "w") as fh:
         fh.write(f.address)
