@@ -58,7 +58,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_failures(spec: str, replicas: int) -> "FailureSchedule":
+def parse_failures(spec: str, replicas: int):
+    """A FailureSchedule from 'REPLICA@STEP:KIND,...'."""
     from lightning_ft.launch.failure import FailureSchedule, Injection
 
     events = []

@@ -302,10 +302,6 @@ def test_a_command_that_cannot_start_says_so(etcd_endpoint, tmp_path):
 def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
     """A leader that writes left/{rid}/{inc} and revokes its lease, then takes a while to
     exit, is waited for, not killed as hung."""
-    from lightning_ft.coord.coordinator import Coordinator
-    from lightning_ft.coord.quorum import JobSpec
-    from lightning_ft.coord.store import EtcdStore
-
     job = "left" + uuid.uuid4().hex[:6]
     script = tmp_path / "slow_exit.py"
     script.write_text(

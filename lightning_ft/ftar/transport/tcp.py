@@ -216,9 +216,7 @@ class TcpTransport(Transport):
         self.ident = ident
         self._listener = _Listener(ident, bind_host)
         self.address = self._listener.address
-        self._slot = 0
         self._recv_timeout = -1.0
-        self._epoch = -1
         self._left: Optional[socket.socket] = None
         self._right: Optional[socket.socket] = None
         self._left_name = self._right_name = ""
@@ -237,13 +235,12 @@ class TcpTransport(Transport):
 
     # -- setup ------------------------------------------------------------------------------------
     def register(self, sendbuf: torch.Tensor, recvbuf: torch.Tensor, slot_bytes: int) -> None:
-        self._slot = slot_bytes  # TCP needs no registration: it reads and writes any host memory
+        """TCP needs no registration: it reads and writes any host memory (zero_copy)."""
 
     def connect(self, epoch: int, index: int, n: int, left: str, right: str, timeout_s: float) -> None:
         self._teardown()
         self._aborted.clear()
         self._abort_reason = ""
-        self._epoch = epoch
         self._listener.advance(epoch)
         if n == 1:
             return
