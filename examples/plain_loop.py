@@ -13,7 +13,6 @@ compare loss trajectories.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.digest import state_digest
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -110,20 +110,6 @@ class Data:
     def get(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(ids, dtype=torch.long)
         return self.x[idx], self.y[idx]
-
-
-def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        t = p.to_local() if hasattr(p, "to_local") else p
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for k, v in sorted(opt.state.get(p, {}).items()):
-                if torch.is_tensor(v):
-                    t = v.to_local() if hasattr(v, "to_local") else v
-                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def emit(**kw) -> None:

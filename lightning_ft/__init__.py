@@ -1,5 +1,47 @@
 """lightning-ft: fault-tolerant HSDP (FT-HSDP) for PyTorch Lightning.
 
-See DESIGN.md in the project's shared notes and README.md for the architecture.
+`import lightning_ft` registers the strategy name "ft_hsdp" with Lightning, so that
+`Trainer(strategy="ft_hsdp")` works. Importing Lightning costs seconds, so the launcher and
+the coordination code do not: if Lightning is not imported yet, registration waits for it.
 """
+import importlib.abc
+import importlib.util
+import sys
+
 __version__ = "0.1.0"
+
+_HOOKED = "lightning.pytorch.strategies"
+
+
+def _register() -> None:
+    from lightning_ft.strategy.ft_hsdp import register
+
+    register()
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers ft_hsdp right after Lightning's strategy registry module executes."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HOOKED:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
+            _register()
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+if _HOOKED in sys.modules:
+    _register()
+elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterOnImport())

@@ -272,6 +272,11 @@ class Coordinator:
         self._report = replace(self._report, round=max(self._report.round, self._latest_round() + 1))
         self._grant_and_publish()
 
+    def latest_quorum(self) -> Optional[Quorum]:
+        """The newest decided quorum in the store (any leader's), or None before the first."""
+        kvs, _ = self.store.get_prefix(self.key("quorum") + "/")
+        return Quorum.from_json(kvs[-1].value) if kvs else None
+
     def _latest_round(self) -> int:
         kvs, _ = self.store.get_prefix(self.key("quorum") + "/")
         return int(kvs[-1].key.rsplit("/", 1)[1]) if kvs else -1

@@ -132,6 +132,7 @@ class ReplicaManager:
         self._dirty = False
         """A catch-up wrote into our state and did not commit: never contribute from it."""
         self._flat: Optional[torch.Tensor] = None
+        self._saved: Optional[torch.Tensor] = None
         self._exchange_ok = False
         self.stats = StepStats()
         self.last_plan: Optional[StepPlan] = None
@@ -253,9 +254,34 @@ class ReplicaManager:
             self._flat = torch.zeros(numel, dtype=params[0].dtype)
         return self._flat
 
-    def exchange(self, plan: StepPlan) -> bool:
+    def behind(self) -> bool:
+        """Whether the job has already trained past this replica's step, so that its next round
+        will be a catch-up round (a restarted or late replica). Same answer on every rank."""
+        ahead = False
+        if self.is_leader:
+            q = self.coord.latest_quorum()
+            ahead = q is not None and q.max_step > self.step
+        return bool(self._broadcast(ahead))
+
+    def restore_grads(self) -> bool:
+        """After a failed commit: put back this rank's local gradients as they were before the
+        exchange (saved by `exchange(save_grads=True)`), so the step is retried without
+        recomputing them. Returns False when nothing was saved."""
+        if self._saved is None:
+            return False
+        off = 0
+        for p in self._params():
+            n = _local(p).numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            _local(p.grad).view(-1).copy_(self._saved[off:off + n])
+            off += n
+        return True
+
+    def exchange(self, plan: StepPlan, save_grads: bool = False) -> bool:
         """Average gradients over the contributors through FTAR (lagging: zeros, and catch up
-        meanwhile). Returns this rank's vote."""
+        meanwhile). Returns this rank's vote. With `save_grads`, a contributor keeps a copy of
+        its local gradients for `restore_grads` (a retry without recomputation)."""
         t0 = time.perf_counter()
         params = self._params()
         flat = self._flat_buffer(params)
@@ -264,6 +290,7 @@ class ReplicaManager:
         else:
             torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else torch.zeros(_local(p).numel())
                        for p in params], out=flat)
+        self._saved = flat.clone() if save_grads and not plan.lagging else None
         ok = True
         work = self.ftar.allreduce([flat], divisor=float(plan.divisor))
         if plan.lagging:  # fetch the healthy state while our zeros are on the wire
@@ -399,6 +426,7 @@ class ReplicaManager:
         self.optimizer.zero_grad(set_to_none=True)
         self.step = plan.step + 1
         self._dirty = False
+        self._saved = None
         if plan.contribute:
             self.cursor = plan.batch_index + 1
         if self.is_leader:

@@ -1,0 +1,56 @@
+"""`FailureInjector`: make this replica fail on schedule (kill, exception or hang).
+
+The schedule is the job's `failure` config (explicit events and/or random ones by MTBF, in
+steps), shared by every replica; the launcher restarts a failed replica after its delay, or
+after `downtime_steps` of the others' progress. The k-th injection of a replica fires in
+its k-th incarnation, when its committed step reaches the injection's step."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_ft.launch.failure import FailureSchedule, Injection
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+class FailureInjector(Callback):
+    def __init__(self, schedule: Optional[FailureSchedule] = None) -> None:
+        self.schedule = schedule
+        self._mine: Optional[Injection] = None
+        self._fired = False
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        strategy = trainer.strategy
+        if self.schedule is None:
+            self.schedule = FailureSchedule.from_config(strategy.load_ft_config().failure, strategy.num_replicas)
+        mine = [e for e in self.schedule.events() if e.replica == strategy.rid]
+        inc = strategy.incarnation
+        self._mine = mine[inc] if inc < len(mine) else None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        inj = self._mine
+        mgr = trainer.strategy.mgr
+        if inj is None or self._fired or mgr is None or mgr.step < inj.step:
+            return
+        self._fired = True
+        rank = trainer.strategy.global_rank
+        if rank == 0:
+            print(f"lightning-ft: injecting {inj.kind} into replica {inj.replica} at step {mgr.step}",
+                  file=sys.stderr, flush=True)
+        if inj.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif inj.kind == "hang":
+            if rank == 0:  # the leader stops: no progress, no keepalive; the others block on it
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(3600)
+        else:
+            raise InjectedFailure(f"injected exception in replica {inj.replica} at step {mgr.step}")

@@ -1,0 +1,478 @@
+"""`FTHSDPStrategy`: fault-tolerant HSDP as a Lightning strategy (DESIGN §1, §5-§7, §11).
+
+One Lightning "world" is one replica: W processes running FSDP2 over their own process
+group (Lightning's `ModelParallelStrategy`, gloo on CPU). Across replicas nothing is a
+torch.distributed collective: the `ReplicaManager` runs the per-step quorum, the FTAR
+gradient exchange, catch-up and the two-phase commit.
+
+Mapping onto Lightning's loop. Every call of `optimizer_step` (automatic or manual
+optimization) ends with the replica's committed step count equal to Lightning's
+`global_step`:
+
+    loop:
+        plan = start_step()                          # quorum round
+        lagging  -> zeros + catch-up, commit        # the state jumps to the healthy one
+        contrib. -> closure() (forward/backward), exchange, commit; failed -> restore grads, retry
+
+A round can commit a step that did not train this replica's batch (a catch-up); the batch
+is then trained in the next round of the same call, recomputed on the caught-up weights
+(automatic optimization replays the accumulated micro-batches). Lightning's step counters
+are set from the committed count, and step-interval LR schedulers are stepped exactly once
+per committed step (a catch-up loads the healthy replica's scheduler state).
+
+The train loader is replaced by an exactly-once one (`FTBatchSampler`): the replica trains
+its slot's batches from the slot cursor in etcd, so every batch is trained once by the job.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_ft.config import FTConfig, fingerprint, load_config
+from lightning_ft.replica.data import SlotStream
+from lightning_ft.strategy.sampler import FTBatchSampler
+
+log = logging.getLogger(__name__)
+
+
+class FTHSDPError(RuntimeError):
+    """A misuse or an unrecoverable state, with what to do about it."""
+
+
+def _env(name: str, default: Optional[str] = None) -> str:
+    v = os.environ.get(name, default)
+    if v is None:
+        raise FTHSDPError(
+            f"strategy='ft_hsdp' needs the launcher's environment ({name} is not set). Start the script with "
+            "`lightning-ft run --replicas R --nproc-per-replica W script.py`, or set LFT_JOB, LFT_REPLICA_ID, "
+            "LFT_NUM_REPLICAS, LFT_ETCD, LFT_SECRET, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT per process "
+            "(README, multi-node)")
+    return v
+
+
+class _Schedulers:
+    """Step-interval LR schedulers stepped once per *committed* step; state for catch-up.
+
+    Lightning steps each scheduler once after every `optimizer_step` call. A call may commit
+    zero steps (a batch already trained) or several (a catch-up, then our own step), so each
+    scheduler's `step` is wrapped: it applies the steps owed since the last call."""
+
+    def __init__(self, configs: Sequence[Any]) -> None:
+        self.configs = list(configs)
+        self._owed: dict[int, int] = {}
+        self._orig: dict[int, Callable] = {}
+        for c in self.configs:
+            sch = c.scheduler
+            if c.interval != "step" or c.reduce_on_plateau:
+                continue
+            self._owed[id(sch)] = 0
+            self._orig[id(sch)] = type(sch).step.__get__(sch)
+            sch.__class__ = self._synced_class(type(sch))
+
+    def _synced_class(self, cls: type) -> type:
+        """A subclass whose `step` pays the steps owed (keeps state_dict() free of wrappers)."""
+        sync = self
+
+        def step(sch: Any, *args: Any, **kwargs: Any) -> None:
+            sync._pay(id(sch))
+
+        return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+
+    def _pay(self, sid: int) -> None:
+        while self._owed[sid] > 0:
+            self._orig[sid]()
+            self._owed[sid] -= 1
+
+    def committed(self) -> None:
+        for sid in self._owed:
+            self._owed[sid] += 1
+
+    def flush(self) -> None:
+        for sid in self._owed:
+            self._pay(sid)
+
+    def state_dict(self) -> list:
+        return [c.scheduler.state_dict() for c in self.configs]
+
+    def load_state_dict(self, states: list) -> None:
+        for c, s in zip(self.configs, states):
+            c.scheduler.load_state_dict(s)
+        for sid in self._owed:  # the healthy replica's state already includes its steps
+            self._owed[sid] = 0
+
+
+class _FTMetrics(Callback):
+    """Per-step FT metrics through the Lightning logger (DESIGN §11)."""
+
+    def __init__(self, strategy: "FTHSDPStrategy") -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        m = self.strategy.metrics()
+        if m:
+            pl_module.log_dict(m, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+
+
+class FTHSDPStrategy(ModelParallelStrategy):
+    """Fault-tolerant HSDP: FSDP2 inside a replica, FTAR and a per-step quorum across replicas.
+
+    Args:
+        config: YAML config path (default: `$LFT_CONFIG`, written by `lightning-ft run`).
+        overrides: Hydra-style `key=value` overrides applied on top (e.g. `lr_intervention=linear`).
+        shard_layers: module classes (or class names) to `fully_shard` when the LightningModule's
+            `configure_model` did not; default: the members of every `nn.ModuleList`, then each
+            top-level child module that has parameters.
+        lr_intervention: none | linear | sqrt (overrides the config; `LRIntervention` sets it too).
+        data_seed: seed of the exactly-once data order (default: config `seed`).
+    """
+
+    strategy_name = "ft_hsdp"
+
+    def __init__(self, config: Optional[str] = None, overrides: Sequence[str] = (),
+                 shard_layers: Optional[Sequence[Union[type, str]]] = None, lr_intervention: Optional[str] = None,
+                 data_seed: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._config_path = config
+        self._overrides = list(overrides)
+        self.shard_layers = list(shard_layers) if shard_layers is not None else None
+        self.lr_intervention = lr_intervention
+        self._data_seed = data_seed
+        self.cfg: Optional[FTConfig] = None
+        self.mgr: Any = None
+        self.sampler: Optional[FTBatchSampler] = None
+        self._window: list[tuple[tuple[int, int], Any, int]] = []
+        self._schedulers: Optional[_Schedulers] = None
+        self._ft_devices: Optional[list[torch.device]] = None
+        self.committed_in_call = 0
+        self.recomputes = 0
+
+    # -- environment: one Lightning world per replica ---------------------------------------------------
+    @property
+    def rid(self) -> int:
+        return int(_env("LFT_REPLICA_ID"))
+
+    @property
+    def num_replicas(self) -> int:
+        return int(_env("LFT_NUM_REPLICAS"))
+
+    @property
+    def incarnation(self) -> int:
+        return int(os.environ.get("LFT_INCARNATION", "0"))
+
+    @property
+    def parallel_devices(self) -> Optional[list[torch.device]]:  # type: ignore[override]
+        return self._ft_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        # The replica's size comes from the launcher (WORLD_SIZE), not from Trainer(devices=...).
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if devices and devices[0].type == "cuda":
+            self._ft_devices = [torch.device("cuda", i % max(1, torch.cuda.device_count())) for i in range(world)]
+        else:
+            self._ft_devices = [torch.device("cpu")] * world
+
+    def load_ft_config(self) -> FTConfig:
+        path = self._config_path or os.environ.get("LFT_CONFIG") or None
+        cfg = load_config(path, self._overrides)
+        if self.lr_intervention is not None:
+            cfg.lr_intervention = self.lr_intervention
+        return cfg
+
+    def setup_environment(self) -> None:
+        world = len(self.parallel_devices or [None])
+        self._data_parallel_size, self._tensor_parallel_size = world, 1
+        self.cfg = self.load_ft_config()
+        _env("LFT_REPLICA_ID")
+        super().setup_environment()
+        trainer = self.lightning_module.trainer
+        for lg in trainer.loggers:  # each replica logs to its own directory
+            if hasattr(lg, "_version") and lg._version is None:
+                lg._version = f"replica_{self.rid}"
+        if not any(isinstance(cb, _FTMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.append(_FTMetrics(self))
+
+    # -- model: FSDP2 inside the replica ----------------------------------------------------------
+    def _auto_shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        module = self.lightning_module
+        params = list(module.parameters())
+        if any(isinstance(p, DTensor) for p in params):
+            return  # the user's configure_model parallelized it
+        if self.world_size == 1:
+            return  # one shard is the whole model: FSDP2 would only add overhead
+        mesh = self.device_mesh["data_parallel"]
+        if self.shard_layers is not None:
+            names = {c if isinstance(c, str) else c.__name__ for c in self.shard_layers}
+            layers = [m for m in module.modules() if type(m).__name__ in names and m is not module]
+        else:
+            layers = [m for ml in module.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
+        for m in layers:
+            fully_shard(m, mesh=mesh)
+        for _, child in module.named_children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        loose = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+        if loose:
+            raise FTHSDPError(f"parameters {loose[:5]} live directly on the LightningModule, so the strategy cannot "
+                              "fully_shard them; put them in a submodule, or apply fully_shard in configure_model()")
+
+    def setup(self, trainer: Any) -> None:
+        # ModelParallelStrategy.setup, without its demand that configure_model parallelizes.
+        from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+        self.accelerator.setup(trainer)
+        self._auto_shard()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._start_replica(trainer)
+
+    def _start_replica(self, trainer: Any) -> None:
+        from lightning_ft.replica.manager import ReplicaManager
+
+        if len(self.optimizers) != 1:
+            raise FTHSDPError(f"ft_hsdp exchanges the gradients of one optimizer; configure_optimizers returned "
+                              f"{len(self.optimizers)}")
+        cfg = self.cfg
+        self._schedulers = _Schedulers(self.lr_scheduler_configs)
+        world = self.world_size
+        self.mgr = ReplicaManager(
+            self.lightning_module, self.optimizers[0], job=_env("LFT_JOB"), rid=self.rid,
+            incarnation=self.incarnation, num_replicas=self.num_replicas, secret=_env("LFT_SECRET"),
+            etcd=_env("LFT_ETCD"), rank=self.global_rank, world=world, pg=dist.group.WORLD if world > 1 else None,
+            min_replicas=cfg.min_replicas, prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
+            hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
+            lr_intervention=cfg.lr_intervention, chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks,
+            ftar_timeout_s=cfg.ftar.timeout_s, bind_host=cfg.ftar.bind_host, fingerprint=fingerprint(cfg),
+            scheduler=self._schedulers)
+        self.mgr.on_commit = self._on_commit
+        self.mgr.start()
+
+    def _on_commit(self, plan: Any) -> None:
+        self.committed_in_call += 1
+        if self._schedulers is not None:
+            self._schedulers.committed()
+
+    # -- data: exactly-once batches -----------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if self.mgr is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise FTHSDPError("ft_hsdp trains every batch exactly once by sample index, so the train dataset must be "
+                              "map-style (__getitem__ and __len__), not an IterableDataset")
+        bs = dataloader.batch_size
+        if bs is None:
+            raise FTHSDPError("the train DataLoader must set batch_size (per process); ft_hsdp builds the batches")
+        n = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+        seed = self._data_seed if self._data_seed is not None else int(self.cfg.seed)
+        stream = SlotStream(len(dataloader.dataset), bs * self.world_size * n, self.num_replicas, seed=seed)
+        if stream.num_samples // stream.batch_size < self.num_replicas:
+            raise FTHSDPError(f"{stream.num_samples} samples make fewer than one batch of {stream.batch_size} per "
+                              f"replica for {self.num_replicas} replicas")
+        self.sampler = FTBatchSampler(stream, self.rid, self.global_rank, self.world_size, n,
+                                      start=lambda: self.mgr.cursor)
+        return DataLoader(dataloader.dataset, batch_sampler=self.sampler, num_workers=dataloader.num_workers,
+                          collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
+                          worker_init_fn=dataloader.worker_init_fn,
+                          persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
+                          multiprocessing_context=dataloader.multiprocessing_context)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.mgr is None:
+            return
+        if self.sampler is None or not self.sampler.tags:
+            raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
+                              "loader must be the one the strategy installs (no custom data fetching)")
+        self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
+
+    # -- the step -----------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.mgr is None:
+            return
+        # A restarted or late replica catches up before it touches a batch (no wasted compute,
+        # and accumulation or manual optimization never trains on stale weights).
+        while self.mgr.behind():
+            plan = self.mgr.start_step()
+            if not plan.lagging:
+                raise FTHSDPError(f"replica {self.rid} expected to catch up but the quorum made it a contributor "
+                                  "(the healthy replicas may all have failed); restart the job from a checkpoint")
+            if self.mgr.commit(self.mgr.exchange(plan)):
+                self._schedulers.flush()
+        self._set_lightning_step(self.mgr.step)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.mgr is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        lm = self.lightning_module
+        auto = lm.automatic_optimization
+        window, self._window = self._window, []
+        if not window:
+            raise FTHSDPError("optimizer_step without a training batch: ft_hsdp supports one optimizer step per "
+                              "batch (or per accumulation window)")
+        k = window[-1][0][0]
+        if any(tag[0] != k for tag, _, _ in window):
+            raise FTHSDPError(f"an accumulation window spans slot batches {[t for t, _, _ in window]}")
+        self.committed_in_call = 0
+        closure_done = False
+        fresh = True  # gradients accumulated so far were computed on the current weights
+        mgr = self.mgr
+        while mgr.cursor <= k:
+            if self.committed_in_call:
+                self._schedulers.flush()
+            plan = mgr.start_step()
+            if plan.lagging:
+                if mgr.commit(mgr.exchange(plan)):
+                    fresh = False
+                continue
+            if plan.batch_index != k:
+                raise FTHSDPError(f"replica {self.rid}: the quorum assigns slot batch {plan.batch_index} but the "
+                                  f"loader delivered batch {k}")
+            if not fresh:
+                if not auto:
+                    raise FTHSDPError(f"replica {self.rid} fell behind with a half-trained manual-optimization step; "
+                                      "exiting so that the launcher restarts it and it catches up first")
+                self._recompute(window, closure, optimizer)
+                closure_done = fresh = True
+            elif not closure_done:
+                closure()
+                closure_done = True
+            vote = mgr.exchange(plan, save_grads=True)
+            if vote:
+                self.precision_plugin._after_closure(lm, optimizer)  # hooks and clipping on the averaged grads
+            if mgr.commit(vote):
+                break
+            mgr.restore_grads()
+        if auto and not closure_done:  # batch already trained by the job: Lightning still wants a result
+            closure()
+            optimizer.zero_grad(set_to_none=True)
+        self._set_lightning_step(mgr.step - 1)  # Lightning adds the one it thinks it made
+        return None
+
+    def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> None:
+        """Redo the window's forward/backward on the caught-up weights (automatic optimization)."""
+        self.recomputes += 1
+        optimizer.zero_grad(set_to_none=True)
+        n = len(window)
+        for _, batch, batch_idx in window[:-1]:
+            out = self.training_step(batch, batch_idx)
+            loss = out["loss"] if isinstance(out, dict) else out
+            self.backward(loss / n, optimizer)
+        closure()
+
+    def _set_lightning_step(self, n: int) -> None:
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        if self.lightning_module.automatic_optimization:
+            t = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            t = loop.manual_optimization.optim_step_progress.total
+        t.ready = max(t.ready - t.completed + n, n)
+        t.completed = n
+        loop._batches_that_stepped = n
+
+    def metrics(self) -> dict[str, float]:
+        plan = self.mgr.last_plan if self.mgr is not None else None
+        if plan is None:
+            return {}
+        st = self.mgr.stats
+        gb = (self.mgr._flat.numel() * self.mgr._flat.element_size() / 1e9) if self.mgr._flat is not None else 0.0
+        return {"ft/healthy": float(len(plan.quorum.contributors)), "ft/total": float(self.num_replicas),
+                "ft/epoch": float(plan.quorum.epoch), "ft/lr_factor": plan.lr_factor,
+                "ft/ftar_gbps": gb / st.exchange_s if st.exchange_s > 0 else 0.0,
+                "ft/retries": float(st.retries), "ft/catchup_ms": st.catchup_s * 1e3}
+
+    # -- side effects: one writer, clear failures, clean exit ------------------------------------------
+    @property
+    def is_checkpoint_writer(self) -> bool:
+        """The lowest-id contributor of the last round writes (and prunes) checkpoints."""
+        plan = self.mgr.last_plan if self.mgr is not None else None
+        if plan is None:
+            return self.mgr is None or self.rid == 0
+        return self.rid == min(plan.quorum.contributors)
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        if self.is_checkpoint_writer:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_checkpoint_writer:
+            super().remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, QuorumTimeout
+        from lightning_ft.coord.store import StoreError
+        from lightning_ft.ftar.transport.base import FatalError
+
+        hint = {
+            Evicted: "this replica was evicted (declared failed by the others); the launcher restarts it",
+            QuorumTimeout: "no quorum formed in time: too few healthy replicas (min_replicas) or etcd is slow",
+            ConfigMismatch: "this replica's config differs from the running job's; launch it with the same config",
+            StoreError: "etcd is unreachable: check `--etcd` / LFT_ETCD and that the server runs",
+            FatalError: "an unrecoverable FTAR error (bad secret, wrong job or mismatched buffers)",
+            FTHSDPError: "",
+        }
+        for cls, text in hint.items():
+            if isinstance(exception, cls):
+                print(f"lightning-ft: replica {os.environ.get('LFT_REPLICA_ID', '?')} rank {self.global_rank}: "
+                      f"{type(exception).__name__}: {exception}" + (f"\n  -> {text}" if text else ""),
+                      file=sys.stderr, flush=True)
+                break
+        self._close()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.mgr is not None:
+            self._write_final()
+
+    def _write_final(self) -> None:
+        """run_dir/replica_{rid}/final.json: committed steps and a digest of every rank's state."""
+        from lightning_ft.replica.digest import state_digest
+
+        digests = self.mgr._gather(state_digest(self.lightning_module, self.optimizers[0]))
+        if self.global_rank == 0:
+            d = os.path.join(os.environ.get("LFT_RUN_DIR", "."), f"replica_{self.rid}")
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "final.json"), "w") as f:
+                json.dump({"rid": self.rid, "incarnation": self.incarnation, "step": self.mgr.step,
+                           "cursor": self.mgr.cursor, "digest": digests, "recomputes": self.recomputes}, f)
+
+    def _close(self) -> None:
+        if self.mgr is not None:
+            try:
+                self.mgr.close()
+            finally:
+                self.mgr = None
+
+    def teardown(self) -> None:
+        self._close()
+        super().teardown()
+
+
+def register(registry: Any = None) -> None:
+    if registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry as registry
+    if FTHSDPStrategy.strategy_name not in registry:
+        registry.register(FTHSDPStrategy.strategy_name, FTHSDPStrategy,
+                          description="fault-tolerant HSDP: FSDP2 per replica, FTAR + per-step quorum across replicas")

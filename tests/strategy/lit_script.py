@@ -1,0 +1,132 @@
+"""A small, unmodified LightningModule trained with strategy="ft_hsdp" (or Lightning's DDP).
+
+Run by the strategy tests under `lightning-ft run`. The rank-0 process of each replica prints
+one JSON line per training batch end: {"event": "batch", "step": global_step, "loss", "lr",
+"rid"}; the strategy writes run_dir/replica_{rid}/final.json at the end.
+
+    --ddp N       : Lightning's own DDP with N processes (the reference), same data order
+    --accumulate N: accumulate_grad_batches
+    --manual      : manual optimization
+    --steplr      : a StepLR(step_size=3, gamma=0.5) stepped every step
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_ft  # noqa: F401  (registers "ft_hsdp")
+import lightning.pytorch as L
+
+
+class Teacher(Dataset):
+    def __init__(self, n: int = 1024, dim: int = 16) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        w = torch.randn(dim, 1, generator=g) / dim ** 0.5
+        self.y = torch.tanh(self.x @ w)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class MLP(L.LightningModule):
+    def __init__(self, a: argparse.Namespace) -> None:
+        super().__init__()
+        self.a = a
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.automatic_optimization = not a.manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.a.step_sleep:
+            time.sleep(self.a.step_sleep)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            sch = self.lr_schedulers()
+            if sch is not None:
+                sch.step()
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0:
+            loss = outputs["loss"].item() if isinstance(outputs, dict) else float(outputs)
+            print(json.dumps({"event": "batch", "step": self.trainer.global_step, "loss": loss,
+                              "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+                              "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}), flush=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.a.lr)
+        if self.a.steplr:
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(
+                opt, step_size=3, gamma=0.5), "interval": "step"}}
+        return opt
+
+    def train_dataloader(self):
+        if self.a.ddp:  # reference: the same slot order ft_hsdp uses, slot = DDP rank
+            from lightning_ft.replica.data import SlotStream
+
+            stream = SlotStream(len(self.data), self.a.batch * self.a.accumulate, self.a.ddp, seed=0)
+            rank = self.global_rank
+            n = self.a.accumulate
+            sampler = [stream.batch(rank, k)[j * self.a.batch:(j + 1) * self.a.batch]
+                       for k in range(self.a.steps) for j in range(n)]
+            return DataLoader(self.data, batch_sampler=sampler)
+        return DataLoader(self.data, batch_size=self.a.batch, shuffle=True)
+
+    @property
+    def data(self) -> Teacher:
+        if not hasattr(self, "_data"):
+            self._data = Teacher()
+        return self._data
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--manual", action="store_true")
+    p.add_argument("--steplr", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--ddp", type=int, default=0)
+    p.add_argument("--lr-mode", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    callbacks = []
+    if a.ddp:
+        strategy: object = "ddp"
+        devices = a.ddp
+    else:
+        from lightning_ft.callbacks import FailureInjector, LRIntervention
+
+        strategy, devices = "ft_hsdp", "auto"
+        callbacks.append(FailureInjector())
+        if a.lr_mode:
+            callbacks.append(LRIntervention(a.lr_mode))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=a.steps,
+                        accumulate_grad_batches=1 if a.manual else a.accumulate, callbacks=callbacks,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=os.environ.get("LFT_RUN_DIR", "."),
+                        use_distributed_sampler=not a.ddp)
+    trainer.fit(MLP(a))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
