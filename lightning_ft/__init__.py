@@ -14,9 +14,10 @@ _HOOKED = "lightning.pytorch.strategies"
 
 
 def _register() -> None:
-    from lightning_ft.strategy.ft_hsdp import register
-
-    register()
+    # The strategy module registers itself when it finishes executing; if it is importing
+    # right now (it imports Lightning, which triggered this hook), it will.
+    if "lightning_ft.strategy.ft_hsdp" not in sys.modules:
+        import lightning_ft.strategy.ft_hsdp  # noqa: F401
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):

@@ -23,6 +23,7 @@ retried. Only the leader (local rank 0) talks to etcd; it broadcasts the quorum 
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -262,6 +263,20 @@ class ReplicaManager:
             q = self.coord.latest_quorum()
             ahead = q is not None and q.max_step > self.step
         return bool(self._broadcast(ahead))
+
+    def mark_finished(self) -> None:
+        """Record that the job trained to completion (at this replica's step); a replica that
+        restarts afterwards finds nothing left to do instead of training alone."""
+        if self.is_leader:
+            self._store.put(f"{self.root}finished", json.dumps({"step": self.step, "rid": self.rid}).encode())
+
+    def finished_step(self) -> Optional[int]:
+        """The step at which the job finished, or None while it runs. Same answer on every rank."""
+        step = None
+        if self.is_leader:
+            kv = self._store.get(f"{self.root}finished")
+            step = json.loads(kv.value)["step"] if kv else None
+        return self._broadcast(step)
 
     def restore_grads(self) -> bool:
         """After a failed commit: put back this rank's local gradients as they were before the

@@ -155,6 +155,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._ft_devices: Optional[list[torch.device]] = None
         self.committed_in_call = 0
         self.recomputes = 0
+        self._job_done = False
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -312,6 +313,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().on_train_start()
         if self.mgr is None:
             return
+        done = self.mgr.finished_step()
+        if done is not None:
+            print(f"lightning-ft: replica {self.rid}: the job already finished at step {done}; nothing to train",
+                  file=sys.stderr, flush=True)
+            self._job_done = True
+            self.lightning_module.trainer.should_stop = True
+            return
         # A restarted or late replica catches up before it touches a batch (no wasted compute,
         # and accumulation or manual optimization never trains on stale weights).
         while self.mgr.behind():
@@ -443,7 +451,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self.mgr is not None:
+        if self.mgr is not None and not self._job_done:
+            self.mgr.mark_finished()
             self._write_final()
 
     def _write_final(self) -> None:
@@ -476,3 +485,6 @@ def register(registry: Any = None) -> None:
     if FTHSDPStrategy.strategy_name not in registry:
         registry.register(FTHSDPStrategy.strategy_name, FTHSDPStrategy,
                           description="fault-tolerant HSDP: FSDP2 per replica, FTAR + per-step quorum across replicas")
+
+
+register()

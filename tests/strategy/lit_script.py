@@ -52,6 +52,10 @@ class MLP(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.a.step_sleep:
             time.sleep(self.a.step_sleep)
+        mgr = getattr(self.trainer.strategy, "mgr", None)
+        if self.a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
+                and len(mgr.last_plan.quorum.contributors) < mgr.R:
+            time.sleep(self.a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
         if not self.automatic_optimization:
             opt = self.optimizers()
             opt.zero_grad()
@@ -65,9 +69,34 @@ class MLP(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_rank == 0:
             loss = outputs["loss"].item() if isinstance(outputs, dict) else float(outputs)
-            print(json.dumps({"event": "batch", "step": self.trainer.global_step, "loss": loss,
-                              "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
-                              "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}), flush=True)
+            row = {"event": "batch", "step": self.trainer.global_step, "loss": loss,
+                   "lr": self.trainer.optimizers[0].param_groups[0]["lr"], "applied_lr": self.applied_lr,
+                   "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}
+            mgr = getattr(self.trainer.strategy, "mgr", None)
+            if mgr is not None and mgr.last_plan is not None:
+                row.update(contributors=list(mgr.last_plan.quorum.contributors), lr_factor=mgr.last_plan.lr_factor,
+                           batch=mgr.last_plan.batch_index, lagging=mgr.last_plan.lagging)
+            print(json.dumps(row), flush=True)
+
+    def on_fit_start(self):
+        self.applied_lr = None
+
+        def record(opt, args, kwargs):  # the lr the optimizer actually steps with
+            self.applied_lr = opt.param_groups[0]["lr"]
+
+        self.trainer.optimizers[0].register_step_pre_hook(record)
+        if self.a.fail_commit_at >= 0 and int(os.environ.get("LFT_REPLICA_ID", "0")) in self.a.fail_replicas:
+            mgr = self.trainer.strategy.mgr
+            exchange = mgr.exchange
+
+            def failing(plan, **kw):  # a partial completion: this replica votes "failed" once
+                ok = exchange(plan, **kw)
+                if plan.step == self.a.fail_commit_at and not plan.lagging and self.a.fail_commit_at >= 0:
+                    self.a.fail_commit_at = -1
+                    return False
+                return ok
+
+            mgr.exchange = failing
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.a.lr)
@@ -104,8 +133,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--manual", action="store_true")
     p.add_argument("--steplr", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--degraded-sleep", type=float, default=0.0, help="sleep per step while replicas are missing")
     p.add_argument("--ddp", type=int, default=0)
     p.add_argument("--lr-mode", default=None)
+    p.add_argument("--fail-commit-at", type=int, default=-1, help="vote 'failed' once after this step's exchange")
+    p.add_argument("--fail-replicas", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     callbacks = []
