@@ -142,6 +142,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                  shard_layers: Optional[Sequence[Union[type, str]]] = None, lr_intervention: Optional[str] = None,
                  data_seed: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        for name in ("LFT_JOB", "LFT_REPLICA_ID", "LFT_NUM_REPLICAS", "LFT_ETCD", "LFT_SECRET"):
+            _env(name)  # fail at Trainer(...) with how to launch, not deep inside fit()
         self._config_path = config
         self._overrides = list(overrides)
         self.shard_layers = list(shard_layers) if shard_layers is not None else None
