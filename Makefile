@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-slow demo bench clean
+.PHONY: venv test test-slow demo demo-quorum bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,11 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
 
+# 3 replicas of examples/train_lm.py; one is killed mid-run and rejoins (about 1.5 min here)
 demo: venv
+	$(BIN)/python -m lightning_ft.demo
+
+demo-quorum: venv
 	$(BIN)/python -m lightning_ft.coord.demo show
 
 bench: venv

@@ -170,7 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments and key=value config overrides")
     r.set_defaults(fn=_cmd_run)
+    rep = sub.add_parser("report", help="timeline.png and summary.md of a run directory")
+    rep.add_argument("run_dir")
+    rep.add_argument("--no-png", action="store_true")
+    rep.add_argument("--json", action="store_true", help="print the summary as JSON")
+    rep.set_defaults(fn=_cmd_report)
     return p
+
+
+def _cmd_report(a: argparse.Namespace) -> int:
+    from lightning_ft.report import main as report_main
+
+    return report_main([a.run_dir] + (["--no-png"] if a.no_png else []) + (["--json"] if a.json else []))
 
 
 def main(argv: list[str] | None = None) -> int:

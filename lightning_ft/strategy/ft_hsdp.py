@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -158,6 +159,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.committed_in_call = 0
         self.recomputes = 0
         self._job_done = False
+        self._steps_file: Any = None
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -204,6 +206,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 lg._version = f"replica_{self.rid}"
         if not any(isinstance(cb, _FTMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(_FTMetrics(self))
+        from lightning_ft.callbacks.failure import FailureInjector
+
+        failures = self.cfg.failure
+        if (failures.events or failures.mtbf_steps > 0) and not any(isinstance(cb, FailureInjector)
+                                                                     for cb in trainer.callbacks):
+            trainer.callbacks.append(FailureInjector())  # the job config schedules failures: inject them
 
     # -- model: FSDP2 inside the replica ----------------------------------------------------------
     def _auto_shard(self) -> None:
@@ -324,6 +332,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             return
         # A restarted or late replica catches up before it touches a batch (no wasted compute,
         # and accumulation or manual optimization never trains on stale weights).
+        t0 = time.perf_counter()
+        caught_up = False
         while self.mgr.behind():
             plan = self.mgr.start_step()
             if not plan.lagging:
@@ -331,7 +341,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                   "(the healthy replicas may all have failed); restart the job from a checkpoint")
             if self.mgr.commit(self.mgr.exchange(plan)):
                 self._schedulers.flush()
+                caught_up = True
         self._set_lightning_step(self.mgr.step)
+        if caught_up:
+            self._log_step(None, True, time.perf_counter() - t0)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.mgr is None:
@@ -346,6 +359,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if any(tag[0] != k for tag, _, _ in window):
             raise FTHSDPError(f"an accumulation window spans slot batches {[t for t, _, _ in window]}")
         self.committed_in_call = 0
+        t0 = time.perf_counter()
+        caught_up = False
+        loss = None
         closure_done = False
         fresh = True  # gradients accumulated so far were computed on the current weights
         mgr = self.mgr
@@ -355,7 +371,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             plan = mgr.start_step()
             if plan.lagging:
                 if mgr.commit(mgr.exchange(plan)):
-                    fresh = False
+                    fresh, caught_up = False, True
                 continue
             if plan.batch_index != k:
                 raise FTHSDPError(f"replica {self.rid}: the quorum assigns slot batch {plan.batch_index} but the "
@@ -364,10 +380,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 if not auto:
                     raise FTHSDPError(f"replica {self.rid} fell behind with a half-trained manual-optimization step; "
                                       "exiting so that the launcher restarts it and it catches up first")
-                self._recompute(window, closure, optimizer)
+                loss = self._recompute(window, closure, optimizer)
                 closure_done = fresh = True
             elif not closure_done:
-                closure()
+                loss = closure()
                 closure_done = True
             vote = mgr.exchange(plan, save_grads=True)
             if vote:
@@ -379,7 +395,25 @@ class FTHSDPStrategy(ModelParallelStrategy):
             closure()
             optimizer.zero_grad(set_to_none=True)
         self._set_lightning_step(mgr.step - 1)  # Lightning adds the one it thinks it made
+        self._log_step(loss, caught_up, time.perf_counter() - t0)
         return None
+
+    def _log_step(self, loss: Any, caught_up: bool, seconds: float) -> None:
+        """run_dir/replica_{rid}/steps.jsonl (rank 0): one row per optimizer step, for reports."""
+        if self.global_rank != 0 or self.mgr.last_plan is None:
+            return
+        if self._steps_file is None:
+            d = os.path.join(os.environ.get("LFT_RUN_DIR", "."), f"replica_{self.rid}")
+            os.makedirs(d, exist_ok=True)
+            self._steps_file = open(os.path.join(d, "steps.jsonl"), "a", buffering=1)
+        plan, st = self.mgr.last_plan, self.mgr.stats
+        row = {"t": time.time(), "rid": self.rid, "inc": self.incarnation, "step": self.mgr.step,
+               "loss": float(loss) if torch.is_tensor(loss) or isinstance(loss, float) else None,
+               "contributors": list(plan.quorum.contributors), "epoch": plan.quorum.epoch,
+               "lr_factor": plan.lr_factor, "caught_up": caught_up, "call_s": round(seconds, 6),
+               "exchange_ms": round(st.exchange_s * 1e3, 3), "catchup_ms": round(st.catchup_s * 1e3, 3),
+               "retries": st.retries}
+        self._steps_file.write(json.dumps(row) + "\n")
 
     def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> None:
         """Redo the window's forward/backward on the caught-up weights (automatic optimization)."""
@@ -390,7 +424,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             out = self.training_step(batch, batch_idx)
             loss = out["loss"] if isinstance(out, dict) else out
             self.backward(loss / n, optimizer)
-        closure()
+        return closure()
 
     def _set_lightning_step(self, n: int) -> None:
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
@@ -470,6 +504,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
                            "cursor": self.mgr.cursor, "digest": digests, "recomputes": self.recomputes}, f)
 
     def _close(self) -> None:
+        if self._steps_file is not None:
+            self._steps_file.close()
+            self._steps_file = None
         if self.mgr is not None:
             try:
                 self.mgr.close()
