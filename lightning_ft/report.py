@@ -112,16 +112,17 @@ def fault_free_step_s(data: RunData, replicas: int) -> Optional[float]:
 
 
 def failures(data: RunData, step_s: Optional[float]) -> list[Failure]:
-    out: list[Failure] = []
-    seen = set()
+    by_key: dict[tuple[int, int], Failure] = {}
     for e in data.events:
         if e["event"] not in ("evict", "exit") or (e["event"] == "exit" and e.get("code") == 0):
             continue
         key = (e["replica"], e["incarnation"])
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(Failure(e["replica"], e["incarnation"], e["t"], e.get("reason") or f"exit {e.get('code')}"))
+        f = by_key.get(key)
+        if f is None:
+            by_key[key] = Failure(e["replica"], e["incarnation"], e["t"], e.get("reason") or f"exit {e.get('code')}")
+        elif e.get("reason"):  # the eviction says why (the exit only has a code)
+            f.reason = e["reason"]
+    out = sorted(by_key.values(), key=lambda f: f.t)
     for f in out:
         later = [r for r in data.steps.get(f.replica, []) if r["inc"] > f.incarnation and r["t"] > f.t]
         if later:

@@ -1,0 +1,119 @@
+"""`lightning-ft report` on a synthetic run whose downtime and step rate are known exactly:
+the summary numbers, and that timeline.png shows each replica's states where they were."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lightning_ft import report
+
+T0 = 1_000_000.0
+STEP = 0.5  # fault-free seconds per step
+
+
+def write_run(d, replicas=3, steps=60, kill=(1, 20), back_after_s=6.0):
+    """Replica `kill[0]` dies at step kill[1]; it is back (catch-up row) `back_after_s` later."""
+    os.makedirs(d, exist_ok=True)
+    rid_k, step_k = kill
+    t_kill = T0 + 2.0 + step_k * STEP
+    events = [{"t": T0, "event": "start", "replica": r, "incarnation": 0} for r in range(replicas)]
+    events += [{"t": t_kill, "event": "exit", "replica": rid_k, "incarnation": 0, "code": -9},
+               {"t": t_kill + 0.01, "event": "evict", "replica": rid_k, "incarnation": 0, "reason": "rank 0 exited with -9"},
+               {"t": t_kill + 0.5, "event": "restart", "replica": rid_k, "incarnation": 1}]
+    for r in range(replicas):
+        events.append({"t": T0 + 2.0 + steps * STEP + 0.2, "event": "exit", "replica": r,
+                       "incarnation": 1 if r == rid_k else 0, "code": 0})
+    with open(os.path.join(d, "events.jsonl"), "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    t_back = t_kill + back_after_s
+    for r in range(replicas):
+        rows = []
+        for s in range(1, steps + 1):
+            t = T0 + 2.0 + s * STEP
+            down = r == rid_k and t_kill <= t < t_back
+            if down:
+                continue
+            healthy = [x for x in range(replicas) if not (x == rid_k and t_kill <= t < t_back + STEP)]
+            inc = 1 if (r == rid_k and t >= t_back) else 0
+            first_back = r == rid_k and inc == 1 and not any(x["inc"] == 1 for x in rows)
+            rows.append({"t": t, "rid": r, "inc": inc, "step": s, "loss": 5.0 - s * 0.01, "contributors": healthy,
+                         "epoch": 0, "lr_factor": 1.0, "caught_up": first_back, "call_s": 0.3 if first_back else STEP,
+                         "exchange_ms": 1.0, "catchup_ms": 0.0, "retries": 0})
+        os.makedirs(os.path.join(d, f"replica_{r}"), exist_ok=True)
+        with open(os.path.join(d, f"replica_{r}", "steps.jsonl"), "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in rows)
+        with open(os.path.join(d, f"replica_{r}", "final.json"), "w") as f:
+            json.dump({"rid": r, "step": steps, "digest": ["abc"]}, f)
+    return t_kill, t_back
+
+
+def test_summary_numbers(tmp_path):
+    t_kill, t_back = write_run(str(tmp_path))
+    s = report.report(str(tmp_path), png=False)
+    assert s["replicas"] == 3 and s["steps"] == 60 and s["restarts"] == 1 and s["identical"] is True
+    assert s["fault_free_step_s"] == pytest.approx(STEP)
+    # steps were never delayed by the failure: ETT 1
+    assert s["ett"] == pytest.approx(1.0, abs=1e-3)
+    [f] = s["failures"]
+    assert f["replica"] == 1 and f["down_s"] == pytest.approx(6.0 - 0.0, abs=STEP) and f["healthy_stall_s"] == 0
+    assert (tmp_path / "summary.md").read_text().count("| 1 | 0 | rank 0 exited with -9 |") == 1
+
+
+def test_summary_sees_a_stall(tmp_path):
+    write_run(str(tmp_path))
+    for rid in (0, 1, 2):  # the job waits 3 s right after the failure
+        q = tmp_path / f"replica_{rid}" / "steps.jsonl"
+        rr = [json.loads(l) for l in open(q)]
+        for r in rr:
+            if r["step"] > 20:
+                r["t"] += 3.0
+        q.write_text("".join(json.dumps(r) + "\n" for r in rr))
+    s = report.report(str(tmp_path), png=False)
+    assert s["failures"][0]["healthy_stall_s"] == pytest.approx(3.0, abs=0.01)
+    assert s["ett"] < 0.95
+
+
+def _rgb(hex_color):
+    return tuple(int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+
+
+def test_timeline_png_shows_the_states(tmp_path):
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    write_run(str(tmp_path))
+    s = report.report(str(tmp_path))
+    png = tmp_path / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(str(png))[..., :3]
+    assert img.shape[0] > 300 and img.shape[1] > 600
+
+    def mask(color):
+        return np.all(np.abs(img - np.array(_rgb(color))) < 0.02, axis=-1)
+
+    green, red, gray = (mask(report.STATE_COLORS[k]) for k in ("training", "down", "starting"))
+    rows_with = lambda m: set(np.nonzero(m.any(axis=1))[0])  # noqa: E731
+    # three bar rows of training; the down state only appears on one of them
+    assert green.sum() > 10000 and red.sum() > 50 and gray.sum() > 1000
+    red_rows = rows_with(red[:, 150:])  # skip the legend's patch area on the right
+    green_cols_in_red_rows = green[sorted(red_rows)].any(axis=0).sum()
+    assert green_cols_in_red_rows > 100  # replica 1 also trained before and after
+    # time runs left to right: on the killed replica's row, green, then red, then gray, then green
+    r = sorted(red_rows)[len(red_rows) // 2]
+    seq = []
+    for x in range(img.shape[1]):
+        for name, m in (("g", green), ("r", red), ("s", gray)):
+            if m[r, x] and (not seq or seq[-1] != name):
+                seq.append(name)
+    assert "".join(seq).startswith("sgrsg") or "grsg" in "".join(seq), seq
+    # the other replicas' rows have no red
+    others = [y for y in rows_with(green) if y not in red_rows]
+    assert others and not red[others][:, :int(img.shape[1] * 0.85)].any()
+    assert s["failures"][0]["replica"] == 1
+
+
+def test_report_of_a_missing_run_says_so(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert "no run directory" in capsys.readouterr().err
