@@ -411,7 +411,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                "loss": float(loss) if torch.is_tensor(loss) or isinstance(loss, float) else None,
                "contributors": list(plan.quorum.contributors), "epoch": plan.quorum.epoch,
                "lr_factor": plan.lr_factor, "caught_up": caught_up, "call_s": round(seconds, 6),
-               "exchange_ms": round(st.exchange_s * 1e3, 3), "catchup_ms": round(st.catchup_s * 1e3, 3),
+               "quorum_ms": round(st.quorum_s * 1e3, 3), "reconf_ms": round(st.reconfigure_s * 1e3, 3),
+               "exchange_ms": round(st.exchange_s * 1e3, 3), "freeze_ms": round(st.freeze_s * 1e3, 3), "catchup_ms": round(st.catchup_s * 1e3, 3),
                "retries": st.retries}
         self._steps_file.write(json.dumps(row) + "\n")
 

@@ -1,0 +1,131 @@
+"""Steady-state step time of ft_hsdp against Lightning's own DDP (issue: overhead <= 3%).
+
+    python -m lightning_ft.bench.overhead [--procs 2] [--steps 60] [--rounds 2] [--width 1024]
+
+Same LightningModule, same data, same number of processes: ft_hsdp runs P replicas x 1
+process under `lightning-ft run` (embedded etcd, per-step quorum, FTAR, two-phase commit),
+DDP runs P processes through Lightning's launcher (gloo). Rounds alternate ft/ddp so a noisy
+machine hits both. Step time = median gap between consecutive `on_train_batch_end` of rank 0
+after `--warmup` steps; the reported figure is the median over rounds. Prints:
+
+    {"bench": "overhead", "ft_step_s": ..., "ddp_step_s": ..., "ratio": ..., ...}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+
+
+def worker(a: argparse.Namespace) -> int:
+    import torch
+    import torch.nn as nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_ft  # noqa: F401
+    import lightning.pytorch as L
+
+    torch.set_num_threads(1)
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            w = a.width
+            self.body = nn.Sequential(*[m for _ in range(a.depth) for m in (nn.Linear(w, w), nn.GELU())])
+            self.out = nn.Linear(w, 1)
+            self.times: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.out(self.body(x)), y)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter())
+
+        def on_train_end(self):
+            if self.global_rank == 0:
+                gaps = [b - t for t, b in zip(self.times, self.times[1:])][a.warmup:]
+                print(json.dumps({"step_s": statistics.median(gaps), "steps": len(self.times)}), flush=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(1)
+    n = a.batch * a.procs * (a.steps + 4)
+    data = TensorDataset(torch.randn(n, a.width, generator=g), torch.randn(n, 1, generator=g))
+    strategy = "ddp" if a.ddp else "ft_hsdp"
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=a.procs if a.ddp else "auto",
+                        max_steps=a.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Model(), DataLoader(data, batch_size=a.batch, shuffle=True))
+    return 0
+
+
+def _step_s(out: str) -> float:
+    for line in reversed(out.splitlines()):
+        if line.startswith('{"step_s"'):
+            return json.loads(line)["step_s"]
+    raise RuntimeError("worker printed no step time:\n" + out[-3000:])
+
+
+def run_ft(a: argparse.Namespace, args: list[str]) -> float:
+    with tempfile.TemporaryDirectory(prefix="lft-overhead-") as d:
+        cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(a.procs),
+               "--nproc-per-replica", "1", "--run-dir", d, "--no-status", "--timeout", str(a.timeout), HERE, *args]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 60)
+        if p.returncode != 0:
+            raise RuntimeError(f"ft_hsdp run failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+        return _step_s(open(os.path.join(d, "logs", "r0.i0.rank0.log")).read())
+
+
+def run_ddp(a: argparse.Namespace, args: list[str]) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LFT_")}
+    p = subprocess.run([sys.executable, HERE, *args, "--ddp"], capture_output=True, text=True,
+                       timeout=a.timeout + 60, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"DDP run failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+    return _step_s(p.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256, help="per process")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ddp", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return worker(a)
+    args = ["--worker", "--procs", str(a.procs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--width",
+            str(a.width), "--depth", str(a.depth), "--batch", str(a.batch)]
+    ft, ddp = [], []
+    for r in range(a.rounds):
+        for name in (("ft", "ddp") if r % 2 == 0 else ("ddp", "ft")):
+            t = run_ft(a, args) if name == "ft" else run_ddp(a, args)
+            (ft if name == "ft" else ddp).append(t)
+            print(json.dumps({"bench": "overhead_round", "round": r, "strategy": name, "step_s": round(t, 5)}),
+                  flush=True)
+    params = a.depth * (a.width * a.width + a.width) + a.width + 1
+    ft_s, ddp_s = statistics.median(ft), statistics.median(ddp)
+    print(json.dumps({"bench": "overhead", "procs": a.procs, "params": params, "batch_per_proc": a.batch,
+                      "steps": a.steps, "rounds": a.rounds, "ft_step_s": round(ft_s, 5), "ddp_step_s": round(ddp_s, 5),
+                      "ratio": round(ft_s / ddp_s, 4), "overhead_ms": round((ft_s - ddp_s) * 1e3, 2)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
