@@ -93,6 +93,9 @@ class FTARConfig:
     """S: bytes per chunk; S * C bytes of sendbuf/recvbuf are allocated once at init."""
     num_chunks: int = 4
     """C: chunks pipelined per ring step; at most S * C bytes are in flight per peer."""
+    bucket_bytes: int = 4 * 1024 * 1024
+    """Gradient bucket size: buckets are all-reduced as backward produces them (overlap);
+    every replica of a job must use the same value."""
     timeout_s: float = 5.0
     """A peer silent this long during an all-reduce is declared failed (RecoverableError)."""
     connect_timeout_s: float = 5.0
@@ -253,6 +256,7 @@ def fingerprint(cfg: Any) -> dict[str, Any]:
         "replicas": int(cfg.replicas),
         "nproc_per_replica": int(cfg.nproc_per_replica),
         "min_replicas": int(cfg.min_replicas),
+        "bucket_bytes": int(cfg.ftar.bucket_bytes),
     }
 
 
@@ -309,6 +313,7 @@ def validate(cfg: Any) -> None:
     f = cfg.ftar
     choice("ftar.transport", f.transport, TRANSPORTS)
     at_least("ftar.chunk_bytes", f.chunk_bytes, 0, strict=True)
+    at_least("ftar.bucket_bytes", f.bucket_bytes, 0, strict=True)
     at_least("ftar.num_chunks", f.num_chunks, 1)
     at_least("ftar.timeout_s", f.timeout_s, 0, strict=True)
     at_least("ftar.connect_timeout_s", f.connect_timeout_s, 0, strict=True)

@@ -28,7 +28,8 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 import torch
@@ -87,6 +88,22 @@ class StepStats:
     retries: int = 0
 
 
+@dataclass
+class _Round:
+    """Bucket bookkeeping of one exchange (see `ReplicaManager.begin_step`)."""
+
+    save: bool
+    buckets: int
+    plan: Optional[StepPlan] = None
+    submitted: int = 0
+    works: list = field(default_factory=list)
+    filled: set = field(default_factory=set)
+    count: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.count = [0] * self.buckets
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -106,6 +123,10 @@ class ReplicaManager:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # Captured now, while FSDP2's parameters are the sharded DTensors: during forward and
+        # backward it swaps unsharded tensors into the module, and the quorum (which publishes
+        # snapshots for catch-up) runs concurrently with those (`begin_step`).
+        self._named_params = list(model.named_parameters())
         self.job, self.rid, self.incarnation = job, rid, incarnation
         self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
         self.secret = secret
@@ -134,6 +155,16 @@ class ReplicaManager:
         """A catch-up wrote into our state and did not commit: never contribute from it."""
         self._flat: Optional[torch.Tensor] = None
         self._saved: Optional[torch.Tensor] = None
+        self._saved_ok = False
+        self._lock = threading.Lock()
+        self._buckets: list[tuple[int, int]] = []
+        self._bucket_need: list[int] = []
+        self._offsets: list[tuple[int, int]] = []
+        self._bucket_of: dict[int, int] = {}
+        self._index: dict[int, int] = {}
+        self._armed = False
+        self._round: Optional[_Round] = None
+        self._pool: Any = None
         self._exchange_ok = False
         self.stats = StepStats()
         self.last_plan: Optional[StepPlan] = None
@@ -253,6 +284,13 @@ class ReplicaManager:
         numel = sum(_local(p).numel() for p in params)
         if self._flat is None or self._flat.numel() != numel:
             self._flat = torch.zeros(numel, dtype=params[0].dtype)
+            self._offsets, off = [], 0
+            for p in params:
+                n = _local(p).numel()
+                self._offsets.append((off, off + n))
+                off += n
+            if not self._buckets:  # no overlap: one bucket, sent by exchange()
+                self._buckets, self._bucket_need = [(0, numel)], [len(params)]
         return self._flat
 
     def behind(self) -> bool:
@@ -282,7 +320,7 @@ class ReplicaManager:
         """After a failed commit: put back this rank's local gradients as they were before the
         exchange (saved by `exchange(save_grads=True)`), so the step is retried without
         recomputing them. Returns False when nothing was saved."""
-        if self._saved is None:
+        if not self._saved_ok or self._saved is None:
             return False
         off = 0
         for p in self._params():
@@ -293,27 +331,131 @@ class ReplicaManager:
             off += n
         return True
 
+    # -- buckets and overlap with backward ---------------------------------------------------------
+    def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
+        """Exchange gradients in buckets, started from post-accumulate-grad hooks while backward
+        still runs (FSDP2 calls them after each reduce-scatter). Every replica of a job must use
+        the same `bucket_bytes`: the buckets are all-reduced in one canonical order, reverse
+        parameter order (the order backward produces them), whatever order the grads arrive in."""
+        params = self._params()
+        flat = self._flat_buffer(params)
+        offs, off = self._offsets, flat.numel()
+        buckets: list[tuple[int, int]] = []
+        members: list[list[int]] = []
+        hi = off
+        cur: list[int] = []
+        for i in reversed(range(len(params))):
+            cur.append(i)
+            lo = offs[i][0]
+            if (hi - lo) * flat.element_size() >= bucket_bytes or i == 0:
+                buckets.append((lo, hi))
+                members.append(cur)
+                hi, cur = lo, []
+        self._buckets = buckets
+        self._bucket_of = {i: b for b, ms in enumerate(members) for i in ms}
+        self._bucket_need = [len(ms) for ms in members]
+        self._index = {id(p): i for i, p in enumerate(params)}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def begin_step(self, save_grads: bool = True) -> "Future[StepPlan]":
+        """Start this round's quorum in the background and arm the gradient hooks for the
+        coming (final) backward: buckets are all-reduced as soon as the plan is known and
+        their gradients are in. Call before the backward; then `exchange(plan_future.result())`."""
+        from concurrent.futures import Future
+
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"lft-quorum-r{self.rid}")
+        with self._lock:
+            self._armed = True
+            self._round = _Round(save_grads, len(self._buckets))
+        fut: Future = self._pool.submit(self._start_and_release)
+        return fut
+
+    def _start_and_release(self) -> StepPlan:
+        plan = self.start_step()
+        with self._lock:
+            if self._round is not None:
+                self._round.plan = plan
+                self._submit_ready(self._round)
+        return plan
+
+    def disarm(self) -> None:
+        """Hooks stop exchanging (recomputation, retries): `exchange` sends everything."""
+        with self._lock:
+            self._armed = False
+            self._round = None
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        with self._lock:
+            r = self._round
+            if not self._armed or r is None:
+                return
+            i = self._index[id(p)]
+            lo, hi = self._offsets[i]
+            self._flat[lo:hi].copy_(_local(p.grad).reshape(-1))
+            if i not in r.filled:
+                r.filled.add(i)
+                r.count[self._bucket_of[i]] += 1
+            self._submit_ready(r)
+
+    def _submit_ready(self, r: "_Round") -> None:
+        """Submit, in canonical order, the buckets whose gradients are all in (lock held)."""
+        plan = r.plan
+        if plan is None or plan.lagging:
+            return
+        while r.submitted < len(self._buckets) and r.count[r.submitted] == self._bucket_need[r.submitted]:
+            self._submit(r, r.submitted, plan)
+
+    def _submit(self, r: "_Round", b: int, plan: StepPlan) -> None:
+        lo, hi = self._buckets[b]
+        if r.save:
+            if self._saved is None or self._saved.numel() != self._flat.numel():
+                self._saved = torch.empty_like(self._flat)
+            self._saved[lo:hi].copy_(self._flat[lo:hi])
+        r.works.append(self.ftar.allreduce([self._flat[lo:hi]], divisor=float(plan.divisor)))
+        r.submitted += 1
+
     def exchange(self, plan: StepPlan, save_grads: bool = False) -> bool:
         """Average gradients over the contributors through FTAR (lagging: zeros, and catch up
         meanwhile). Returns this rank's vote. With `save_grads`, a contributor keeps a copy of
-        its local gradients for `restore_grads` (a retry without recomputation)."""
+        its local gradients for `restore_grads` (a retry without recomputation). Buckets that
+        the backward hooks already sent (`begin_step`) are not sent again."""
         t0 = time.perf_counter()
         params = self._params()
         flat = self._flat_buffer(params)
-        if plan.lagging:
-            flat.zero_()
-        else:
-            torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else torch.zeros(_local(p).numel())
-                       for p in params], out=flat)
-        self._saved = flat.clone() if save_grads and not plan.lagging else None
+        with self._lock:
+            r = self._round if (self._armed and self._round is not None and self._round.plan is plan) else None
+            self._armed, self._round = False, None
+            if r is None:
+                r = _Round(save_grads, len(self._buckets))
+                r.plan = plan
+            r.save = save_grads and not plan.lagging
+            self._saved_ok = r.save
+            if plan.lagging:
+                flat.zero_()
+            else:
+                for i, p in enumerate(params):
+                    if i not in r.filled:
+                        lo, hi = self._offsets[i]
+                        if p.grad is None:
+                            flat[lo:hi].zero_()
+                        else:
+                            flat[lo:hi].copy_(_local(p.grad).reshape(-1))
+            for b in range(r.submitted, len(self._buckets)):
+                self._submit(r, b, plan)
         ok = True
-        work = self.ftar.allreduce([flat], divisor=float(plan.divisor))
         if plan.lagging:  # fetch the healthy state while our zeros are on the wire
             self._dirty = True
             ok = self._catch_up(plan)
+        deadline = time.monotonic() + self.hang_timeout_s + self.ftar.timeout_s * 4 + \
+            flat.numel() * flat.element_size() / 1e7
         try:
             # Bounded by the engine's own deadlines; this only guards against a stuck engine.
-            work.wait(self.hang_timeout_s + self.ftar.timeout_s * 4 + flat.numel() * flat.element_size() / 1e7)
+            for work in r.works:
+                work.wait(max(0.1, deadline - time.monotonic()))
         except FatalError:
             raise
         except FTARError as e:
@@ -336,7 +478,7 @@ class ReplicaManager:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's state shard as named local tensors: parameters, buffers, optimizer state."""
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self._named_params:
             out[f"param.{name}"] = _local(p.data if not hasattr(p, "to_local") else p).detach()
         for name, b in self.model.named_buffers():
             out[f"buffer.{name}"] = _local(b).detach()
@@ -441,7 +583,7 @@ class ReplicaManager:
         self.optimizer.zero_grad(set_to_none=True)
         self.step = plan.step + 1
         self._dirty = False
-        self._saved = None
+        self._saved_ok = False
         if plan.contribute:
             self.cursor = plan.batch_index + 1
         if self.is_leader:
@@ -461,6 +603,8 @@ class ReplicaManager:
 
     # -- shutdown -----------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if self.coord is not None:
             self.coord.close(revoke=True)
         if self.ftar is not None:

@@ -135,13 +135,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
             top-level child module that has parameters.
         lr_intervention: none | linear | sqrt (overrides the config; `LRIntervention` sets it too).
         data_seed: seed of the exactly-once data order (default: config `seed`).
+        overlap: run each step's quorum during forward/backward and all-reduce gradient buckets
+            from post-accumulate-grad hooks as backward produces them (default True).
     """
 
     strategy_name = "ft_hsdp"
 
     def __init__(self, config: Optional[str] = None, overrides: Sequence[str] = (),
                  shard_layers: Optional[Sequence[Union[type, str]]] = None, lr_intervention: Optional[str] = None,
-                 data_seed: Optional[int] = None, **kwargs: Any) -> None:
+                 data_seed: Optional[int] = None, overlap: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for name in ("LFT_JOB", "LFT_REPLICA_ID", "LFT_NUM_REPLICAS", "LFT_ETCD", "LFT_SECRET"):
             _env(name)  # fail at Trainer(...) with how to launch, not deep inside fit()
@@ -150,6 +152,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.shard_layers = list(shard_layers) if shard_layers is not None else None
         self.lr_intervention = lr_intervention
         self._data_seed = data_seed
+        self.overlap = overlap
+        self._pending: Any = None
         self.cfg: Optional[FTConfig] = None
         self.mgr: Any = None
         self.sampler: Optional[FTBatchSampler] = None
@@ -267,10 +271,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
         cfg = self.cfg
         self._schedulers = _Schedulers(self.lr_scheduler_configs)
         world = self.world_size
+        # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
+        # collectives run on the default group.
+        pg = dist.new_group(backend="gloo") if world > 1 else None
         self.mgr = ReplicaManager(
             self.lightning_module, self.optimizers[0], job=_env("LFT_JOB"), rid=self.rid,
             incarnation=self.incarnation, num_replicas=self.num_replicas, secret=_env("LFT_SECRET"),
-            etcd=_env("LFT_ETCD"), rank=self.global_rank, world=world, pg=dist.group.WORLD if world > 1 else None,
+            etcd=_env("LFT_ETCD"), rank=self.global_rank, world=world, pg=pg,
             min_replicas=cfg.min_replicas, prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
             hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
             lr_intervention=cfg.lr_intervention, chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks,
@@ -278,6 +285,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             scheduler=self._schedulers)
         self.mgr.on_commit = self._on_commit
         self.mgr.start()
+        if self.overlap:
+            self.mgr.enable_overlap(cfg.ftar.bucket_bytes)
 
     def _on_commit(self, plan: Any) -> None:
         self.committed_in_call += 1
@@ -317,6 +326,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
             raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
                               "loader must be the one the strategy installs (no custom data fetching)")
         self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
+        trainer = self.lightning_module.trainer
+        n = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+        if self.overlap and self._pending is None and len(self._window) == n:
+            # This batch's backward completes the step: run the quorum meanwhile and let the
+            # gradient hooks start the exchange.
+            self._pending = self.mgr.begin_step()
 
     # -- the step -----------------------------------------------------------------------------------
     def on_train_start(self) -> None:
@@ -365,10 +380,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         closure_done = False
         fresh = True  # gradients accumulated so far were computed on the current weights
         mgr = self.mgr
-        while mgr.cursor <= k:
+        first = None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if auto:  # forward/backward overlap the quorum; hooks send buckets once it is in
+                loss = closure()
+                closure_done = True
+            first = pending.result()
+        while first is not None or mgr.cursor <= k:
             if self.committed_in_call:
                 self._schedulers.flush()
-            plan = mgr.start_step()
+            plan, first = (first, None) if first is not None else (mgr.start_step(), None)
             if plan.lagging:
                 if mgr.commit(mgr.exchange(plan)):
                     fresh, caught_up = False, True
@@ -380,6 +402,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 if not auto:
                     raise FTHSDPError(f"replica {self.rid} fell behind with a half-trained manual-optimization step; "
                                       "exiting so that the launcher restarts it and it catches up first")
+                mgr.disarm()
                 loss = self._recompute(window, closure, optimizer)
                 closure_done = fresh = True
             elif not closure_done:
