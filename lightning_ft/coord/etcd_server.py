@@ -53,6 +53,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: Linux sends it SIGKILL when its parent dies, so an embedded
+    etcd never outlives a launcher that was itself killed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:  # not Linux: the launcher's own cleanup is all there is
+        pass
+
+
 class EtcdServer:
     """A single-member etcd on loopback. Use as a context manager or start()/stop().
 
@@ -95,7 +106,7 @@ class EtcdServer:
     def start(self, timeout_s: float = 10.0) -> "EtcdServer":
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         deadline = time.monotonic() + timeout_s
         url = f"http://{self.host}:{self.port}/health"

@@ -92,10 +92,16 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
         server = EtcdServer().start()
         endpoint = server.endpoint
-    print(f"lightning-ft: job {cfg.job!r}: {cfg.replicas} replicas x {cfg.nproc_per_replica} processes, "
-          f"etcd {endpoint}{' (embedded)' if server else ''}, run dir {cfg.run_dir}", flush=True)
     sup = None
+
+    def on_term(signum, frame):  # unwind through the finally below: stop replicas and etcd
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
     try:
+        print(f"lightning-ft: job {cfg.job!r}: {cfg.replicas} replicas x {cfg.nproc_per_replica} processes, "
+              f"etcd {endpoint}{' (embedded)' if server else ''}, run dir {cfg.run_dir}", flush=True)
         sup = Supervisor([sys.executable, a.script, *script_args], replicas=cfg.replicas,
                          nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
                          run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,

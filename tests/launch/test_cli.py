@@ -1,6 +1,7 @@
 """`lightning-ft etcd` runs a usable etcd in the foreground and stops cleanly on SIGTERM."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -40,3 +41,96 @@ def test_lightning_ft_etcd_without_binary_says_what_to_do(tmp_path):
                        capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 1
     assert "LFT_ETCD_BIN" in r.stderr and "is not an executable file" in r.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_embedded_etcd_dies_with_a_sigkilled_launcher(tmp_path):
+    """The launcher itself is killed (no cleanup runs): its etcd must not be orphaned."""
+    import signal
+    import time
+
+    from lightning_ft.bench.localjob import LOOP
+
+    p = subprocess.Popen([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "1", "--run-dir",
+                          str(tmp_path / "run"), "--no-status", LOOP, "--steps", "100000", "--step-sleep", "0.05"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    etcd = []
+    try:
+        deadline = time.monotonic() + 60
+        while not etcd and time.monotonic() < deadline:
+            etcd = [c for c in _children(p.pid) if "etcd" in open(f"/proc/{c}/cmdline").read()]
+            time.sleep(0.1)
+        assert etcd, "the launcher started no etcd"
+        replicas = [c for c in _children(p.pid) if c not in etcd]
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 5
+        while _alive(etcd[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(etcd[0])
+    finally:
+        p.kill()
+        for c in etcd + _children(p.pid):
+            try:
+                os.kill(c, signal.SIGKILL)
+            except OSError:
+                pass
+    # the replica loses etcd and exits on its own (bounded retries); make sure it is gone
+    for c in replicas:
+        try:
+            os.kill(c, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_sigterm_to_the_launcher_stops_replicas_and_etcd(tmp_path):
+    import signal
+    import time
+
+    from lightning_ft.bench.localjob import LOOP
+
+    p = subprocess.Popen([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--run-dir",
+                          str(tmp_path / "run"), "--no-status", LOOP, "--steps", "100000", "--step-sleep", "0.05"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids) < 3 and time.monotonic() < deadline:
+            kids = _children(p.pid)
+            time.sleep(0.1)
+        assert len(kids) >= 3, kids  # etcd + 2 replicas
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+        assert p.returncode != 0
+        deadline = time.monotonic() + 5
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [k for k in kids if _alive(k)]
+    finally:
+        p.kill()
+        for c in kids:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except OSError:
+                pass
