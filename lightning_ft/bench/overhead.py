@@ -61,7 +61,11 @@ def worker(a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(1)
     n = a.batch * a.procs * (a.steps + 4)
     data = TensorDataset(torch.randn(n, a.width, generator=g), torch.randn(n, 1, generator=g))
-    strategy = "ddp" if a.ddp else "ft_hsdp"
+    strategy: object = "ddp" if a.ddp else "ft_hsdp"
+    if a.no_overlap and not a.ddp:
+        from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
+
+        strategy = FTHSDPStrategy(overlap=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=a.procs if a.ddp else "auto",
                         max_steps=a.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -105,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=256, help="per process")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-overlap", action="store_true", help="ft_hsdp without quorum/backward overlap")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ddp", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         return worker(a)
     args = ["--worker", "--procs", str(a.procs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--width",
-            str(a.width), "--depth", str(a.depth), "--batch", str(a.batch)]
+            str(a.width), "--depth", str(a.depth), "--batch", str(a.batch)] + (["--no-overlap"] if a.no_overlap else [])
     ft, ddp = [], []
     for r in range(a.rounds):
         for name in (("ft", "ddp") if r % 2 == 0 else ("ddp", "ft")):

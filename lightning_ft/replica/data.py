@@ -13,13 +13,24 @@ prefix: no batch twice, none missing.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import random
 import tempfile
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
 from lightning_ft.coord.store import Store
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The sample order of one epoch (cached: a slot batch is asked for at every step)."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
 
 
 @dataclass(frozen=True)
@@ -42,13 +53,7 @@ class SlotStream:
         return order[b * self.batch_size:(b + 1) * self.batch_size]
 
     def _order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        import random
-
-        order = list(range(self.num_samples))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        return _permutation(self.num_samples, self.seed, epoch, self.shuffle)
 
     def batch(self, slot: int, k: int) -> list[int]:
         """Batch k of `slot`."""

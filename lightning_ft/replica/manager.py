@@ -156,6 +156,8 @@ class ReplicaManager:
         self._flat: Optional[torch.Tensor] = None
         self._saved: Optional[torch.Tensor] = None
         self._saved_ok = False
+        self._cursor_stale = False
+        self._unrecorded: Optional[tuple] = None
         self._lock = threading.Lock()
         self._buckets: list[tuple[int, int]] = []
         self._bucket_need: list[int] = []
@@ -231,7 +233,10 @@ class ReplicaManager:
         if self.is_leader:
             try:
                 self.coord.heartbeat()
-                self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid))
+                self.flush_ledger()  # the previous step's record precedes our report for this one
+                if self._cursor_stale:  # a failed commit: others may have committed our batch
+                    self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid))
+                    self._cursor_stale = False
                 ring_ok = self._ring_ok and not self.ftar.broken
                 q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
                                       ring_ok=ring_ok)
@@ -306,6 +311,7 @@ class ReplicaManager:
         """Record that the job trained to completion (at this replica's step); a replica that
         restarts afterwards finds nothing left to do instead of training alone."""
         if self.is_leader:
+            self.flush_ledger()
             self._store.put(f"{self.root}finished", json.dumps({"step": self.step, "rid": self.rid}).encode())
 
     def finished_step(self) -> Optional[int]:
@@ -568,6 +574,7 @@ class ReplicaManager:
         ok = self._vote(vote)
         if not ok:
             self.optimizer.zero_grad(set_to_none=True)
+            self._cursor_stale = True
             self.stats.retries += 1
             self._ring_ok = False  # peers may be mid-collective: rebuild the ring next round
             return False
@@ -587,12 +594,20 @@ class ReplicaManager:
         if plan.contribute:
             self.cursor = plan.batch_index + 1
         if self.is_leader:
+            # Written by the next start_step, before this replica reports for the next round
+            # (from the quorum thread when overlapped): off the step's critical path.
             q = plan.quorum
-            ledger.record_commit(self._store, self.root, plan.step, self.rid, q.epoch, q.round,
-                                 {c: q.cursor_of(c) for c in q.contributors})
+            self._unrecorded = (plan.step, q.epoch, q.round, {c: q.cursor_of(c) for c in q.contributors})
         if self.on_commit is not None:
             self.on_commit(plan)
         return True
+
+    def flush_ledger(self) -> None:
+        """Record the last commit in the ledger and advance the cursors (leader; idempotent)."""
+        rec, self._unrecorded = self._unrecorded, None
+        if rec is not None and self.is_leader:
+            step, epoch, round_, batches = rec
+            ledger.record_commit(self._store, self.root, step, self.rid, epoch, round_, batches)
 
     def _vote(self, vote: bool) -> bool:
         if self.pg is None and self.world == 1:
@@ -605,6 +620,11 @@ class ReplicaManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.is_leader and self._store is not None:
+            try:
+                self.flush_ledger()
+            except Exception as e:  # etcd gone: the other committers of that step recorded it too
+                log.warning("replica %d: could not record the last commit: %s", self.rid, e)
         if self.coord is not None:
             self.coord.close(revoke=True)
         if self.ftar is not None:

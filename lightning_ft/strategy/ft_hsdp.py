@@ -164,6 +164,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.recomputes = 0
         self._job_done = False
         self._steps_file: Any = None
+        self._phase: dict[str, float] = {}
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -374,6 +375,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if any(tag[0] != k for tag, _, _ in window):
             raise FTHSDPError(f"an accumulation window spans slot batches {[t for t, _, _ in window]}")
         self.committed_in_call = 0
+        self._phase = {}
         t0 = time.perf_counter()
         caught_up = False
         loss = None
@@ -386,7 +388,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
             if auto:  # forward/backward overlap the quorum; hooks send buckets once it is in
                 loss = closure()
                 closure_done = True
+            t1 = time.perf_counter()
+            self._phase["closure_ms"] = (t1 - t0) * 1e3
             first = pending.result()
+            self._phase["quorum_wait_ms"] = (time.perf_counter() - t1) * 1e3
         while first is not None or mgr.cursor <= k:
             if self.committed_in_call:
                 self._schedulers.flush()
@@ -411,7 +416,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
             vote = mgr.exchange(plan, save_grads=True)
             if vote:
                 self.precision_plugin._after_closure(lm, optimizer)  # hooks and clipping on the averaged grads
-            if mgr.commit(vote):
+            t2 = time.perf_counter()
+            ok = mgr.commit(vote)
+            self._phase["commit_ms"] = (time.perf_counter() - t2) * 1e3
+            if ok:
                 break
             mgr.restore_grads()
         if auto and not closure_done:  # batch already trained by the job: Lightning still wants a result
@@ -436,7 +444,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                "lr_factor": plan.lr_factor, "caught_up": caught_up, "call_s": round(seconds, 6),
                "quorum_ms": round(st.quorum_s * 1e3, 3), "reconf_ms": round(st.reconfigure_s * 1e3, 3),
                "exchange_ms": round(st.exchange_s * 1e3, 3), "freeze_ms": round(st.freeze_s * 1e3, 3), "catchup_ms": round(st.catchup_s * 1e3, 3),
-               "retries": st.retries}
+               "retries": st.retries, **{k: round(v, 3) for k, v in self._phase.items()}}
         self._steps_file.write(json.dumps(row) + "\n")
 
     def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> None:
