@@ -62,6 +62,11 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from lightning_ft.launch.supervisor import Supervisor
 
     overrides, script_args = parse_overrides(a.args)
+    resume_from = None
+    if a.resume:
+        if a.config is None and os.path.exists(os.path.join(a.resume, "config.yaml")):
+            a.config = os.path.join(a.resume, "config.yaml")  # the run's own config, then the overrides
+        a.run_dir = a.resume
     for key, val in (("replicas", a.replicas), ("nproc_per_replica", a.nproc_per_replica), ("job", a.job),
                      ("etcd.endpoint", a.etcd), ("run_dir", a.run_dir)):
         if val is not None:
@@ -74,6 +79,18 @@ def _cmd_run(a: argparse.Namespace) -> int:
     if not os.path.exists(a.script):
         print(f"lightning-ft run: no such script: {a.script}", file=sys.stderr)
         return 2
+    if a.resume:
+        from lightning_ft.config import checkpoint_dir
+        from lightning_ft.replica.checkpoint import newest_valid
+
+        found = newest_valid(checkpoint_dir(cfg), warn=lambda m: print(f"lightning-ft run: warning: {m}",
+                                                                       file=sys.stderr, flush=True))
+        if found is None:
+            print(f"lightning-ft run: --resume {a.resume}: no checkpoint that verifies under "
+                  f"{checkpoint_dir(cfg)}", file=sys.stderr)
+            return 2
+        resume_from = found[1]
+        print(f"lightning-ft: resuming from {resume_from} (step {found[0]})", flush=True)
     os.makedirs(cfg.run_dir, exist_ok=True)
     replica_ids = [int(x) for x in a.replica_ids.split(",")] if a.replica_ids else None
     secret = cfg.secret or os.environ.get("LFT_SECRET")
@@ -92,6 +109,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
         server = EtcdServer().start()
         endpoint = server.endpoint
+    if resume_from is not None:
+        _seed_resume(endpoint, cfg, resume_from)
     sup = None
 
     def on_term(signum, frame):  # unwind through the finally below: stop replicas and etcd
@@ -105,7 +124,9 @@ def _cmd_run(a: argparse.Namespace) -> int:
         sup = Supervisor([sys.executable, a.script, *script_args], replicas=cfg.replicas,
                          nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
                          run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
-                         max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, env={"LFT_CONFIG": config_path})
+                         max_restarts=a.max_restarts, prefix=cfg.etcd.prefix,
+                         env={"LFT_CONFIG": config_path, **({"LFT_RESUME": os.path.abspath(resume_from)}
+                                                            if resume_from else {})})
         sup.start()
         if a.no_status or not sys.stdout.isatty():
             rc = sup.run(timeout_s=a.timeout)
@@ -118,6 +139,25 @@ def _cmd_run(a: argparse.Namespace) -> int:
             sup.shutdown()
         if server is not None:
             server.cleanup()
+
+
+def _seed_resume(endpoint: str, cfg, ckpt: str) -> None:
+    """A whole-job restart starts a fresh job keyspace whose cursors are the checkpoint's."""
+    import json
+    import os
+
+    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.replica.data import advance_cursor
+
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    store = EtcdStore(endpoint)
+    try:
+        root = f"{cfg.etcd.prefix.rstrip('/')}/{cfg.job}/"
+        store.delete_prefix(root)
+        for slot, k in meta["cursors"].items():
+            advance_cursor(store, root, int(slot), int(k))
+    finally:
+        store.close()
 
 
 def _status_table(sup) -> "object":
@@ -173,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=10)
     r.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     r.add_argument("--no-status", action="store_true", help="no live table (events still go to events.jsonl)")
+    r.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="whole-job restart: resume RUN_DIR from its newest checkpoint that verifies")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments and key=value config overrides")
     r.set_defaults(fn=_cmd_run)

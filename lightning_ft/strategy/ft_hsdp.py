@@ -165,6 +165,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._job_done = False
         self._steps_file: Any = None
         self._phase: dict[str, float] = {}
+        self._ckpt: Any = None
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -285,9 +286,79 @@ class FTHSDPStrategy(ModelParallelStrategy):
             ftar_timeout_s=cfg.ftar.timeout_s, bind_host=cfg.ftar.bind_host, fingerprint=fingerprint(cfg),
             scheduler=self._schedulers)
         self.mgr.on_commit = self._on_commit
+        resume = os.environ.get("LFT_RESUME")
+        if resume:
+            self._resume(resume)
+        if cfg.checkpoint.every_n_steps > 0:
+            from lightning_ft.config import checkpoint_dir
+            from lightning_ft.replica.checkpoint import CheckpointWriter
+
+            ckpt_pg = dist.new_group(backend="gloo") if world > 1 else None
+            self._ckpt = CheckpointWriter(checkpoint_dir(cfg), cfg.checkpoint.keep, self.global_rank, ckpt_pg,
+                                          on_done=self._checkpoint_done)
+            self._ckpt_pg = ckpt_pg
         self.mgr.start()
         if self.overlap:
             self.mgr.enable_overlap(cfg.ftar.bucket_bytes)
+
+    # -- persistent checkpoints (DESIGN §8) ---------------------------------------------------------
+    def _resume(self, path: str) -> None:
+        """Whole-job restart: every replica loads the same checkpoint before registering."""
+        from lightning_ft.replica.checkpoint import load
+
+        t0 = time.perf_counter()
+        self.mgr._materialize_optimizer_state()
+        got = load(path, self.lightning_module, self.optimizers[0],
+                   pg=None if self.world_size == 1 else dist.group.WORLD)
+        extra = got["extra"]
+        for g, saved in zip(self.optimizers[0].param_groups, extra["param_groups"]):
+            g.update(saved)
+        self._schedulers.load_state_dict(extra["schedulers"])
+        self.mgr.step = int(got["meta"]["step"])
+        if self.global_rank == 0:
+            print(f"lightning-ft: replica {self.rid} resumed from {path} (step {self.mgr.step}) in "
+                  f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
+
+    def _maybe_checkpoint(self) -> None:
+        n = self.cfg.checkpoint.every_n_steps
+        plan = self.mgr.last_plan
+        if self._ckpt is None or plan is None or self.mgr.step % n or self.committed_in_call == 0:
+            return
+        if self.rid != min(plan.quorum.contributors):
+            return
+        from lightning_ft.replica import data as ledger
+
+        self._schedulers.flush()  # the state after this step, scheduler included
+        q = plan.quorum
+        cursors = {}
+        if self.global_rank == 0:
+            for slot in range(self.num_replicas):
+                if slot in q.contributors:
+                    cursors[slot] = q.cursor_of(slot) + 1
+                else:
+                    cursors[slot] = ledger.read_cursor(self.mgr._store, self.mgr.root, slot)
+        meta = {"step": self.mgr.step, "job": os.environ.get("LFT_JOB"), "replicas": self.num_replicas,
+                "writer": self.rid, "cursors": {str(k): v for k, v in cursors.items()},
+                "quorum": {"round": q.round, "epoch": q.epoch, "members": list(q.members),
+                           "contributors": list(q.contributors)}}
+        extra = {"step": self.mgr.step, "schedulers": self._schedulers.state_dict(),
+                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                  for g in self.optimizers[0].param_groups]}
+        stats = self._ckpt.save(self.mgr.step, self.lightning_module, self.optimizers[0], extra, meta)
+        self._phase["ckpt_stage_ms"] = stats.stage_s * 1e3
+
+    def _checkpoint_done(self, step: int, path: str, stats: Any) -> None:
+        """Writer rank 0, background thread: publish and record the complete checkpoint."""
+        try:
+            self.mgr._store.put(f"{self.mgr.root}ckpt/latest",
+                                json.dumps({"step": step, "path": os.path.abspath(path)}).encode())
+        except Exception as e:
+            log.warning("could not publish checkpoint %s in etcd: %s", path, e)
+        d = os.path.join(os.environ.get("LFT_RUN_DIR", "."), f"replica_{self.rid}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "checkpoints.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "step": step, "path": path, "stage_s": round(stats.stage_s, 4),
+                                "write_s": round(stats.write_s, 4), "bytes": stats.bytes}) + "\n")
 
     def _on_commit(self, plan: Any) -> None:
         self.committed_in_call += 1
@@ -426,6 +497,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             closure()
             optimizer.zero_grad(set_to_none=True)
         self._set_lightning_step(mgr.step - 1)  # Lightning adds the one it thinks it made
+        self._maybe_checkpoint()
         self._log_step(loss, caught_up, time.perf_counter() - t0)
         return None
 
@@ -536,6 +608,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
                            "cursor": self.mgr.cursor, "digest": digests, "recomputes": self.recomputes}, f)
 
     def _close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.wait(120)  # let the last checkpoint finish writing
+            self._ckpt = None
         if self._steps_file is not None:
             self._steps_file.close()
             self._steps_file = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -59,8 +60,16 @@ def test_kill_and_rejoin_w1_identical_ledger_and_sqrt_lr(tmp_path, etcd_endpoint
 def test_fsdp2_w2_accumulation_kill_and_rejoin(tmp_path, etcd_endpoint):
     steps = 40
     run = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), "--degraded-sleep", "0.8", "--accumulate", "2",
-                  nproc=2, overrides=(KILL_1_AT_5,))
+                  nproc=2, overrides=(KILL_1_AT_5, "checkpoint.every_n_steps=10"))
     assert run.proc.returncode == 0, ok(run)
+    # sharded checkpoints by the lowest-id contributor: one file per rank, manifests verify
+    from lightning_ft.replica import checkpoint as ck
+
+    root = os.path.join(run.run_dir, "checkpoints")
+    assert ck.list_steps(root) == [20, 30, 40]  # keep=3
+    for step in (20, 30, 40):
+        files = ck.verify(ck.step_dir(root, step))["files"]
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json", "extra.pt"} <= set(files)
     assert run.finals[0]["digest"] == run.finals[1]["digest"], ok(run)
     assert len(run.finals[0]["digest"]) == 2 and run.finals[0]["digest"][0] != run.finals[0]["digest"][1], \
         "each rank holds a different FSDP2 shard"
