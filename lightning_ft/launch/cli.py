@@ -58,7 +58,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     import os
     import secrets
 
-    from lightning_ft.config import ConfigError, load_config, parse_overrides, to_yaml
+    from lightning_ft.config import ConfigError, checkpoint_dir, load_config, parse_overrides, to_yaml
     from lightning_ft.launch.supervisor import Supervisor
 
     overrides, script_args = parse_overrides(a.args)
@@ -124,7 +124,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
         sup = Supervisor([sys.executable, a.script, *script_args], replicas=cfg.replicas,
                          nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
                          run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
-                         max_restarts=a.max_restarts, prefix=cfg.etcd.prefix,
+                         max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
+                         checkpoint_root=checkpoint_dir(cfg),
                          env={"LFT_CONFIG": config_path, **({"LFT_RESUME": os.path.abspath(resume_from)}
                                                             if resume_from else {})})
         sup.start()
@@ -143,19 +144,14 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 def _seed_resume(endpoint: str, cfg, ckpt: str) -> None:
     """A whole-job restart starts a fresh job keyspace whose cursors are the checkpoint's."""
-    import json
-    import os
-
     from lightning_ft.coord.store import EtcdStore
-    from lightning_ft.replica.data import advance_cursor
+    from lightning_ft.replica.checkpoint import seed_job
 
-    meta = json.load(open(os.path.join(ckpt, "meta.json")))
     store = EtcdStore(endpoint)
     try:
         root = f"{cfg.etcd.prefix.rstrip('/')}/{cfg.job}/"
         store.delete_prefix(root)
-        for slot, k in meta["cursors"].items():
-            advance_cursor(store, root, int(slot), int(k))
+        seed_job(store, root, ckpt)
     finally:
         store.close()
 
@@ -213,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=10)
     r.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     r.add_argument("--no-status", action="store_true", help="no live table (events still go to events.jsonl)")
+    r.add_argument("--restart", choices=["replica", "world"], default="replica",
+                   help="replica: FT-HSDP, only the failed replica restarts (default); world: the baseline, "
+                        "any failure restarts every replica from the newest checkpoint")
     r.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="whole-job restart: resume RUN_DIR from its newest checkpoint that verifies")
     r.add_argument("script")

@@ -97,9 +97,17 @@ class Supervisor:
                  run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 1.0,
                  max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
-                 hang_grace_s: float = 2.0) -> None:
+                 hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "") -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
-        while the leader still runs (a leader that revokes its lease on a clean exit is not hung)."""
+        while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
+
+        `restart`: "replica" (FT-HSDP: only the failed replica restarts and catches up) or "world"
+        (the baseline, like torchrun elastic: any failure stops every replica, and all restart
+        from the newest valid checkpoint under `checkpoint_root`, or from scratch)."""
+        if restart not in ("replica", "world"):
+            raise ValueError(f"restart={restart!r} must be 'replica' or 'world'")
+        self.restart_mode = restart
+        self.checkpoint_root = checkpoint_root
         ids = list(range(replicas)) if replica_ids is None else list(replica_ids)
         bad = [r for r in ids if not 0 <= r < replicas]
         if bad or len(set(ids)) != len(ids):
@@ -354,9 +362,48 @@ class Supervisor:
             return
         rep.state = "restarting"
         rep.restart_at = rep.failed_at + self.restart_delay_s
+        if self.restart_mode == "world":
+            self._stop_world(rep)
+            return
         downtime = self._downtime.get(rep.rid, 0)
         if downtime > 0:
             rep.restart_step = self._job_step() + downtime
+
+    def _stop_world(self, failed: _Replica) -> None:
+        """Restart-the-world baseline: stop every other running replica as well."""
+        for rep in self._replicas.values():
+            if rep is failed or rep.state != "running":
+                continue
+            for p in rep.procs:
+                _signal(p, signal.SIGKILL)
+            for p in rep.procs:
+                if not _wait(p):
+                    self._stragglers.append(p)
+            self._evict(rep, f"world restart after replica {failed.rid} failed")
+            self._event(rep, "world_stop", reason=f"replica {failed.rid} failed")
+            rep.failed_at = failed.failed_at
+            rep.state = "restarting"
+            rep.restart_at = failed.restart_at
+
+    def _resume_world(self) -> None:
+        """Before a world restart: the newest valid checkpoint, a fresh keyspace with its cursors."""
+        from lightning_ft.replica.checkpoint import newest_valid, seed_job
+
+        found = newest_valid(self.checkpoint_root) if self.checkpoint_root else None
+        try:
+            self._store.delete_prefix(self._root)
+            if found is not None:
+                seed_job(self._store, self._root, found[1])
+        except StoreError as e:
+            log.warning("could not reset the job keyspace for a world restart: %s", e)
+        if found is None:
+            self._extra_env.pop("LFT_RESUME", None)
+        else:
+            self._extra_env["LFT_RESUME"] = os.path.abspath(found[1])
+        for rep in self._replicas.values():
+            if rep.state == "restarting":
+                self._event(rep, "world_restart", checkpoint=found[1] if found else None,
+                            step=found[0] if found else 0)
 
     def _evict(self, rep: _Replica, reason: str) -> bool:
         """Write evict/{rid}/{inc}; False (and a warning) when etcd refused or was unreachable."""
@@ -371,6 +418,17 @@ class Supervisor:
 
     def _restart_due(self) -> None:
         now = time.monotonic()
+        if self.restart_mode == "world":
+            waiting = [rep for rep in self._replicas.values() if rep.state == "restarting"]
+            if not waiting or any(rep.state == "running" for rep in self._replicas.values()) or \
+                    now < max(rep.restart_at for rep in waiting):
+                return
+            self._resume_world()
+            for rep in waiting:
+                rep.incarnation += 1
+                rep.restarts += 1
+                self._launch(rep)
+            return
         for rep in self._replicas.values():
             if rep.state != "restarting":
                 continue

@@ -224,3 +224,14 @@ def load(d: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pg: A
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"meta": json.load(open(os.path.join(d, "meta.json"))),
             "extra": torch.load(os.path.join(d, "extra.pt"), weights_only=False)}
+
+
+def seed_job(store: Any, root: str, ckpt: str) -> dict:
+    """A whole-job restart from `ckpt` in a fresh job keyspace `root`: the slot cursors are the
+    checkpoint's. Returns its meta."""
+    from lightning_ft.replica.data import advance_cursor
+
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    for slot, k in meta.get("cursors", {}).items():
+        advance_cursor(store, root, int(slot), int(k))
+    return meta
