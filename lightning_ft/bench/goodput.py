@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,7 @@ def run(mode: str, a: argparse.Namespace, run_dir: str) -> dict:
     cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(a.replicas), "--run-dir",
            run_dir, "--no-status", "--max-restarts", "50", "--timeout", str(a.timeout),
            "--restart", "world" if mode == "restart" else "replica", a.script, "--steps", str(a.steps),
+           *a.model_args.split(),
            "--val-every", str(10 ** 6), f"failure.events=[{kills}]", f"failure.restart_delay_s={a.restart_delay}",
            f"checkpoint.every_n_steps={a.ckpt_every}", "checkpoint.keep=2", f"job=goodput-{mode}"]
     t0 = time.monotonic()
@@ -47,10 +49,18 @@ def run(mode: str, a: argparse.Namespace, run_dir: str) -> dict:
     s = summarize(load(run_dir))
     events = [json.loads(l) for l in open(os.path.join(run_dir, "events.jsonl"))]
     failures = sum(1 for e in events if e["event"] == "exit" and e.get("code") not in (0, None))
+    # the step-time cost of a checkpoint step (the step waits while the state is staged in memory)
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "replica_0", "steps.jsonl"))]
+    ck = [r["call_s"] for r in rows if "ckpt_stage_ms" in r]
+    plain = [r["call_s"] for r in rows if "ckpt_stage_ms" not in r and not r["caught_up"]]
+    stage = [r["ckpt_stage_ms"] for r in rows if "ckpt_stage_ms" in r]
     row = {"bench": "goodput_run", "mode": mode, "steps": s["steps"], "failures": failures,
            "restarts": s["restarts"], "fault_free_step_s": round(s["fault_free_step_s"] or 0, 4),
            "train_wall_s": s["train_wall_s"], "ett": s["ett"], "launcher_wall_s": round(wall, 1),
-           "identical": s["identical"]}
+           "identical": s["identical"],
+           "ckpt_steps": len(ck), "ckpt_step_call_s": round(statistics.median(ck), 4) if ck else None,
+           "ckpt_stage_ms": round(statistics.median(stage), 2) if stage else None,
+           "step_call_s": round(statistics.median(plain), 4) if plain else None}
     print(json.dumps(row), flush=True)
     return row
 
@@ -63,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a failed replica restarts")
     p.add_argument("--script", default=EXAMPLE)
+    p.add_argument("--model-args", default="--d 128 --layers 4",
+                   help="script arguments: a step long enough that a restart (~12 s here) fits between kills")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     a = p.parse_args(argv)
@@ -76,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     ft, rs = rows["ft"], rows["restart"]
     print(json.dumps({"bench": "goodput", "replicas": a.replicas, "steps": a.steps, "kill_every": a.every,
+                      "fault_free_step_s": ft["fault_free_step_s"], "ckpt_step_call_s": ft["ckpt_step_call_s"],
+                      "step_call_s": ft["step_call_s"], "ckpt_stage_ms": ft["ckpt_stage_ms"],
                       "ckpt_every": a.ckpt_every, "restart_delay_s": a.restart_delay,
                       "failures": ft["failures"], "restart_failures": rs["failures"],
                       "ft_ett": ft["ett"], "restart_ett": rs["ett"],

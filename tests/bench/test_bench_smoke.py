@@ -39,3 +39,24 @@ def test_recovery_bench_quick_meets_its_stall_bounds():
     assert r["kill_stall_s"] < 1.0
     assert r["hang_stall_s"] <= r["ttl_s"] + 1.0
     assert r["catchup_gbps"] > 0
+
+
+def test_overhead_bench_runs_ft_hsdp_and_ddp_side_by_side():
+    rows = run_bench("lightning_ft.bench.overhead", "--steps", "14", "--warmup", "4", "--rounds", "1",
+                     "--width", "64", "--depth", "2", "--batch", "16", timeout=400)
+    final = rows[-1]
+    assert final["bench"] == "overhead" and final["ft_step_s"] > 0 and final["ddp_step_s"] > 0
+    assert abs(final["ratio"] - final["ft_step_s"] / final["ddp_step_s"]) < 1e-3
+    assert {r["strategy"] for r in rows if r["bench"] == "overhead_round"} == {"ft", "ddp"}
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.slow
+def test_goodput_bench_ft_beats_restart_the_world():
+    rows = run_bench("lightning_ft.bench.goodput", "--steps", "130", "--every", "60", "--ckpt-every", "50",
+                     timeout=900)
+    final = rows[-1]
+    assert final["bench"] == "goodput" and final["failures"] >= 1 and final["restart_failures"] >= 1
+    assert final["ft_ett"] > final["restart_ett"] > 0
