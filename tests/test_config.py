@@ -92,7 +92,8 @@ def test_to_yaml_round_trips_and_redacts_the_secret(tmp_path):
 
 def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
     cfg = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2"])
-    assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2}
+    assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2,
+                                "bucket_bytes": 4 << 20}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                    "seed=3", "ftar.num_chunks=8", "run_dir=/tmp/x"])
     assert fingerprint(other) == fingerprint(cfg)
@@ -243,7 +244,7 @@ def test_unknown_nested_key_names_the_full_key_and_the_group_fields():
         load_config(overrides=["ftar.chunk_mbb=8"])
     msg = str(e.value)
     assert msg.startswith("unknown config key 'ftar.chunk_mbb'; ftar has: transport, chunk_bytes, num_chunks, "
-                          "timeout_s, connect_timeout_s, num_programs, bind_host")
+                          "bucket_bytes, timeout_s, connect_timeout_s, num_programs, bind_host")
     assert "did you mean 'chunk_bytes'?" in msg
 
 

@@ -146,3 +146,32 @@ def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
     assert finals[0]["step"] == finals[1]["step"] == steps
     # bitwise: the resumed job equals the uninterrupted one
     assert finals[0]["digest"] == finals[1]["digest"] == clean.finals[0]["digest"]
+
+
+def test_restart_the_world_baseline_resumes_everyone_from_the_checkpoint(tmp_path, etcd_endpoint):
+    """`--restart world` (the goodput baseline): a kill stops every replica; all restart from the
+    newest checkpoint and redo the steps since; the result equals an uninterrupted run."""
+    steps = 20
+    ckpt = ("checkpoint.every_n_steps=5",)
+    clean = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), overrides=ckpt)
+    assert clean.proc.returncode == 0, ok(clean)
+    job = "world" + uuid.uuid4().hex[:8]
+    run_dir = str(tmp_path / job)
+    r = subprocess.run([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd",
+                        etcd_endpoint, "--job", job, "--run-dir", run_dir, "--no-status", "--timeout", "200",
+                        "--restart", "world", SCRIPT, "--steps", str(steps), "etcd.lease_ttl_s=1",
+                        "failure.restart_delay_s=0.2", "quorum.init_timeout_s=60",
+                        "failure.events=[{replica: 1, step: 12, kind: kill}]", *ckpt],
+                       capture_output=True, text=True, timeout=260)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    events = [json.loads(l) for l in open(os.path.join(run_dir, "events.jsonl"))]
+    kinds = [(e["event"], e["replica"]) for e in events if e["event"] in ("evict", "world_stop", "world_restart")]
+    assert ("world_stop", 0) in kinds and ("world_restart", 0) in kinds and ("world_restart", 1) in kinds
+    restart = [e for e in events if e["event"] == "world_restart"][0]
+    assert restart["step"] == 10 and restart["checkpoint"].endswith("step_00000010")
+    # replica 0 was healthy but restarted too, and redid steps 11.. from the checkpoint
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "replica_0", "steps.jsonl"))]
+    inc1 = [x["step"] for x in rows if x["inc"] == 1]
+    assert inc1[0] == 11 and max(x["step"] for x in rows if x["inc"] == 0) >= 12
+    finals = [json.load(open(os.path.join(run_dir, f"replica_{i}", "final.json"))) for i in (0, 1)]
+    assert finals[0]["digest"] == finals[1]["digest"] == clean.finals[0]["digest"]

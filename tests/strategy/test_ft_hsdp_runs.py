@@ -122,3 +122,18 @@ def test_matches_lightning_ddp_without_failures(tmp_path, etcd_endpoint):
     ft_loss = [r["loss"] for r in ft.replica_rows(0)]
     assert len(ddp_loss) == len(ft_loss) == steps
     assert ft_loss == pytest.approx(ddp_loss, rel=1e-4, abs=1e-6)
+
+
+def test_injected_exception_then_hang_through_lightning(tmp_path, etcd_endpoint):
+    """FailureInjector's other kinds: an exception (exit 1) in incarnation 0, then a SIGSTOP hang
+    in incarnation 1, which the launcher detects by the lapsed lease and restarts."""
+    steps = 60
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), "--degraded-sleep", "0.5", overrides=(
+        "failure.events=[{replica: 1, step: 4, kind: exception}, {replica: 1, step: 8, kind: hang}]",))
+    assert run.proc.returncode == 0, ok(run)
+    ev = [(e["event"], e["replica"], e["incarnation"]) for e in run.events]
+    assert ("exit", 1, 0) in ev and ("hang", 1, 1) in ev and ("restart", 1, 2) in ev, ev
+    assert "InjectedFailure: injected exception in replica 1" in run.log(1, 0)
+    assert run.finals[0]["digest"] == run.finals[1]["digest"], ok(run)
+    assert run.finals[1]["incarnation"] == 2
+    assert run.ledger.ok and run.ledger.steps == steps
