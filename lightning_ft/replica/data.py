@@ -10,6 +10,12 @@ wait for it rather than being skipped.
 Every commit is recorded at `commits/{step}/{rid}` = {"epoch", "round", "batches": {slot: k}}.
 `verify_ledger` checks that these records form an exact partition of each slot's consumed
 prefix: no batch twice, none missing.
+
+Scaling note (not done yet): every committer advances every contributor's cursor (get + CAS
+each), O(R^2) etcd requests per step. A cheaper design: each replica writes only its own
+cursor together with its commit record, and a replica that (re)starts or fails a commit
+derives its cursor as max(own cursor, 1 + its batch in any commit record since that cursor
+was written): the records since then are few (the steps around its failure).
 """
 from __future__ import annotations
 
