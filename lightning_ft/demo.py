@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--kill-at", type=int, default=40, help="SIGKILL replica 1 as it reaches this step")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--kill-at", type=int, default=30, help="SIGKILL replica 1 as it reaches this step")
     a = p.parse_args(argv)
     if os.path.isdir(a.run_dir):
         shutil.rmtree(a.run_dir)

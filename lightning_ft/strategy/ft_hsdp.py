@@ -119,6 +119,8 @@ class _FTMetrics(Callback):
         self.strategy = strategy
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not trainer._logger_connector.should_update_logs:
+            return  # logging every step costs milliseconds; loggers only write every n steps
         m = self.strategy.metrics()
         if m:
             pl_module.log_dict(m, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
