@@ -28,8 +28,8 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -328,14 +328,15 @@ class ReplicaManager:
         recomputing them. Returns False when nothing was saved."""
         if not self._saved_ok or self._saved is None:
             return False
-        off = 0
-        for p in self._params():
-            n = _local(p).numel()
+        self._write_grads(self._params(), self._saved)
+        return True
+
+    def _write_grads(self, params: list[torch.nn.Parameter], src: torch.Tensor) -> None:
+        """Copy a flat buffer (the layout of `_flat`) into the parameters' local gradients."""
+        for p, (lo, hi) in zip(params, self._offsets):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            _local(p.grad).view(-1).copy_(self._saved[off:off + n])
-            off += n
-        return True
+            _local(p.grad).view(-1).copy_(src[lo:hi])
 
     # -- buckets and overlap with backward ---------------------------------------------------------
     def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
@@ -368,8 +369,6 @@ class ReplicaManager:
         """Start this round's quorum in the background and arm the gradient hooks for the
         coming (final) backward: buckets are all-reduced as soon as the plan is known and
         their gradients are in. Call before the backward; then `exchange(plan_future.result())`."""
-        from concurrent.futures import Future
-
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -469,14 +468,7 @@ class ReplicaManager:
             self._ring_ok = False
             ok = False
         if ok:
-            off = 0
-            for p in params:
-                local = _local(p)
-                n = local.numel()
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                _local(p.grad).view(-1).copy_(flat[off:off + n])
-                off += n
+            self._write_grads(params, flat)
         self.stats.exchange_s = time.perf_counter() - t0
         return ok
 

@@ -9,6 +9,7 @@ import time
 
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
+from tests.procs import alive, children
 
 
 def test_lightning_ft_etcd_serves_and_stops_on_sigterm(procs):
@@ -43,27 +44,6 @@ def test_lightning_ft_etcd_without_binary_says_what_to_do(tmp_path):
     assert "LFT_ETCD_BIN" in r.stderr and "is not an executable file" in r.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_embedded_etcd_dies_with_a_sigkilled_launcher(tmp_path):
     """The launcher itself is killed (no cleanup runs): its etcd must not be orphaned."""
     import signal
@@ -78,19 +58,19 @@ def test_embedded_etcd_dies_with_a_sigkilled_launcher(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while not etcd and time.monotonic() < deadline:
-            etcd = [c for c in _children(p.pid) if "etcd" in open(f"/proc/{c}/cmdline").read()]
+            etcd = [c for c in children(p.pid) if "etcd" in open(f"/proc/{c}/cmdline").read()]
             time.sleep(0.1)
         assert etcd, "the launcher started no etcd"
-        replicas = [c for c in _children(p.pid) if c not in etcd]
+        replicas = [c for c in children(p.pid) if c not in etcd]
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 5
-        while _alive(etcd[0]) and time.monotonic() < deadline:
+        while alive(etcd[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(etcd[0])
+        assert not alive(etcd[0])
     finally:
         p.kill()
-        for c in etcd + _children(p.pid):
+        for c in etcd + children(p.pid):
             try:
                 os.kill(c, signal.SIGKILL)
             except OSError:
@@ -116,7 +96,7 @@ def test_sigterm_to_the_launcher_stops_replicas_and_etcd(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while len(kids) < 3 and time.monotonic() < deadline:
-            kids = _children(p.pid)
+            kids = children(p.pid)
             time.sleep(0.1)
         assert len(kids) >= 3, kids  # etcd + 2 replicas
         time.sleep(1.0)
@@ -124,9 +104,9 @@ def test_sigterm_to_the_launcher_stops_replicas_and_etcd(tmp_path):
         p.wait(30)
         assert p.returncode != 0
         deadline = time.monotonic() + 5
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [k for k in kids if _alive(k)]
+        assert not [k for k in kids if alive(k)]
     finally:
         p.kill()
         for c in kids:

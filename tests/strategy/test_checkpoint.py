@@ -11,11 +11,11 @@ import sys
 import time
 import uuid
 
-import pytest
 import torch
 
 from lightning_ft.replica import checkpoint as ck
 from lightning_ft.replica.digest import state_digest
+from tests.procs import children
 from tests.strategy.runs import SCRIPT, lft_run, ok
 
 
@@ -81,19 +81,6 @@ def test_prune_keeps_the_newest_k(tmp_path):
     assert ck.list_steps(str(tmp_path)) == [3, 4]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
     steps = 30
     ckpt = ("checkpoint.every_n_steps=10", "checkpoint.keep=5")
@@ -115,9 +102,9 @@ def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
         deadline = time.monotonic() + 150
         while not os.path.exists(os.path.join(ck.step_dir(root, 20), "manifest.json")):
             assert time.monotonic() < deadline and p.poll() is None, "no step-20 checkpoint"
-            kids = _children(p.pid) or kids
+            kids = children(p.pid) or kids
             time.sleep(0.05)
-        kids = _children(p.pid) or kids
+        kids = children(p.pid) or kids
         for pid in [p.pid, *kids]:
             os.kill(pid, signal.SIGKILL)
     finally:
