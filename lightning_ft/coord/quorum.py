@@ -1,14 +1,15 @@
-"""The per-round quorum decision, as a pure function (DESIGN §3, §5 step 1).
+"""The per-round quorum decision, as a pure function (docs/ARCHITECTURE.md, "The quorum").
 
 `compute_quorum` looks at what the replica leaders reported for a round and decides who
-trains in it. It does no I/O and reads no clock: the coordinator passes it the member
-reports, the evictions, the previous quorum and how long it has waited. It returns a
-`Decision` whose `reason` says why, in words a person can act on.
+trains in it, and how. It does no I/O and reads no clock: the coordinator passes it the
+member reports, the evictions, the previous quorum, what the job's history says (the
+newest committed step, the published checkpoints) and how long it has waited. It returns
+a `Decision` whose `reason` says why, in words a person can act on.
 
 Rules, in order:
 1. A report counts for round r if it was made for round >= r, its (replica, incarnation)
-   is not evicted, and its job fingerprint equals the job's. Mismatched fingerprints are
-   refused with the differing fields named.
+   is not evicted or quarantined, and its job fingerprint equals the job's. Mismatched
+   fingerprints are refused with the differing fields named.
 2. If some member of the previous quorum survives, the round waits until every surviving
    previous member has reported. A member is gone when its key is gone (lease expired),
    it is evicted, or a newer incarnation replaced it. Joiners who reported in time are
@@ -16,17 +17,43 @@ Rules, in order:
 3. Otherwise (job start, or every previous member died) the round waits until all R
    replicas report, or `init_timeout_s` passes with at least `min_replicas`.
 4. Fewer than `min_replicas` valid reports: no quorum, training waits, and says why.
-5. Members are sorted by replica id (the ring order). `max_step` is the highest reported
-   step; members at it are `contributors`, the others `lagging`.
-6. The epoch stays when the (replica, incarnation) set is unchanged and no member asks for
+5. Partitions: when the previous round already asked for a ring reset with the same
+   members and this one asks again, that is a strike. At `STRIKES` strikes one member is
+   excluded: the one the others blamed most (ties: the highest id), quarantined for
+   `QUARANTINE_ROUNDS * 2**k` rounds on its k-th exclusion. An FTAR-only partition (etcd
+   still reaches both sides) thus ends in a bounded number of rounds.
+6. Valid state. A member's state is usable when it belongs to the job's current history
+   generation (`gen`), or it is an initial state (step 0). M is the highest usable step.
+7. Rewind. When M is below the job's newest committed step H (every replica holding it
+   died), the job rewinds to T = max(M, newest usable checkpoint <= H): a new generation
+   whose first round is a sync round from the replica holding T (or loading the
+   checkpoint). Commits of the old generation at steps >= T are superseded. No state and
+   no checkpoint at all: the rewind goes to step 0 from a fresh replica.
+8. Sync. Contributors are the synced members (committed or adopted in this generation)
+   at M. When there are none (the job's first round, or after `--resume`), the round is a
+   *sync* round: everyone adopts the state of the lowest-id member at M, nobody trains.
+9. Divergence guard. Contributors that report a state digest of step M are compared: a
+   minority group is *diverged* and heals as lagging (catch-up from the majority); with
+   no strict majority the job halts (`Decision.halt`) naming the replicas and the step.
+10. Members are sorted by replica id (the ring order). Members that are not contributors
+   are `lagging`: they send zeros and catch up from a contributor.
+11. Stop. A member that asks to stop (`stop`) makes the round a stop round for everyone.
+12. The epoch stays when the (replica, incarnation) set is unchanged and no member asks for
    a ring reset (`ring_ok=False` after a failed exchange); otherwise it goes up by one.
    FTAR reconfigures when it changes.
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
+
+STRIKES = 3
+"""Consecutive ring-reset rounds with unchanged members before one member is excluded."""
+QUARANTINE_ROUNDS = 4
+"""Rounds an excluded member sits out on its first exclusion (doubling on each repeat)."""
+TRAIN, SYNC = "train", "sync"
 
 
 @dataclass(frozen=True)
@@ -36,7 +63,7 @@ class Report:
     rid: int
     incarnation: int
     step: int
-    """Committed steps so far: the step this replica would train next."""
+    """Committed steps so far: the step this replica would train next (its state version)."""
     round: int
     """The round this leader is ready to take part in."""
     fingerprint: Mapping[str, object] = field(default_factory=dict)
@@ -49,6 +76,21 @@ class Report:
     """Next batch index of this replica's data slot (DESIGN §7)."""
     ring_ok: bool = True
     """False after a failed exchange: the ring must be rebuilt even if membership is unchanged."""
+    gen: int = 0
+    """History generation of this replica's state (bumped by every rewind)."""
+    synced: bool = True
+    """Its state comes from the job's history (it committed or adopted in `gen`). A new
+    process reports False until it adopted or caught up (the manager always says)."""
+    digest: str = ""
+    """State digest of version `digest_step` ("" = none this round)."""
+    digest_step: int = -1
+    blame: tuple[int, ...] = ()
+    """Replicas whose FTAR connection failed in this replica's last failed exchange."""
+    bad_checkpoints: tuple[int, ...] = ()
+    """Checkpoint steps this replica could not load (missing or corrupted files)."""
+    stop: bool = False
+    """The training loop asked to stop (Lightning's `trainer.should_stop`): the job stops
+    when the round that carries it commits, on every replica at the same step."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -56,14 +98,14 @@ class Report:
     @classmethod
     def from_json(cls, raw: bytes) -> "Report":
         d = json.loads(raw)
-        d["addrs"] = tuple(d.get("addrs", ()))
-        d["state_addrs"] = tuple(d.get("state_addrs", ()))
+        for k in ("addrs", "state_addrs", "blame", "bad_checkpoints"):
+            d[k] = tuple(d.get(k, ()))
         return cls(**d)
 
 
 @dataclass(frozen=True)
 class Quorum:
-    """Who trains in one round. Every leader adopts the same one (see coordinator)."""
+    """Who trains in one round, and how. Every leader adopts the same one (see coordinator)."""
 
     round: int
     epoch: int
@@ -73,15 +115,33 @@ class Quorum:
     """Incarnation of each member, aligned with `members`."""
     max_step: int
     contributors: tuple[int, ...]
-    """Members at max_step: they train and their gradients count."""
+    """Train rounds: members at max_step whose gradients count. Sync rounds: the source."""
     lagging: tuple[int, ...]
-    """Members behind max_step: they catch up and contribute zeros."""
+    """Members that catch up (train: zeros + catch-up; sync: adopt the source's state)."""
     addrs: tuple[tuple[str, ...], ...] = ()
     """FTAR addresses of each member, aligned with `members`."""
     state_addrs: tuple[tuple[str, ...], ...] = ()
     cursors: tuple[int, ...] = ()
     """Reported data cursor of each member, aligned with `members`."""
     reason: str = ""
+    gen: int = 0
+    """History generation of this round."""
+    kind: str = TRAIN
+    """"train": contributors train and exchange; "sync": nobody trains, everyone adopts the
+    state of `contributors[0]` (at the job's start, after a resume, and in a rewind)."""
+    rewind: Optional[Mapping[str, object]] = None
+    """The first round of a new generation: {"from": H, "to": T, "checkpoint": path or "",
+    "checkpoint_step": step or -1}. The source loads the checkpoint when one is named."""
+    diverged: tuple[int, ...] = ()
+    """Contributors whose state digest disagreed with the majority; lagging this round."""
+    verified_step: int = -1
+    """Newest state version whose digests were compared and agreed."""
+    strikes: int = 0
+    """Consecutive ring-reset rounds with these members (rule 5)."""
+    quarantine: tuple[tuple[int, int, int], ...] = ()
+    """(rid, until_round, exclusions) of members excluded by rule 5."""
+    stop: bool = False
+    """Some member asked to stop: every replica stops after committing this round."""
 
     def index(self, rid: int) -> int:
         return self.members.index(rid)
@@ -89,17 +149,23 @@ class Quorum:
     def member_set(self) -> frozenset[tuple[int, int]]:
         return frozenset(zip(self.members, self.incarnations))
 
+    @property
+    def source(self) -> int:
+        """The replica everyone adopts from in a sync round."""
+        return self.contributors[0] if self.kind == SYNC else -1
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Quorum":
         d = json.loads(raw)
-        for k in ("members", "incarnations", "contributors", "lagging"):
-            d[k] = tuple(d[k])
+        for k in ("members", "incarnations", "contributors", "lagging", "diverged"):
+            d[k] = tuple(d.get(k, ()))
         d["addrs"] = tuple(tuple(a) for a in d.get("addrs", ()))
         d["state_addrs"] = tuple(tuple(a) for a in d.get("state_addrs", ()))
         d["cursors"] = tuple(d.get("cursors", ()))
+        d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
         return cls(**d)
 
     def cursor_of(self, rid: int) -> int:
@@ -117,12 +183,29 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class History:
+    """What the job's records say, read by the coordinator for the decision."""
+
+    committed_step: int = 0
+    """H: the newest state version the job has recorded in the current generation (1 + the
+    newest recorded commit, or the generation's base). The coordinator may pass any value
+    <= the highest reported step of the current generation when that step is above the
+    previous round's max_step (nothing can be lost then)."""
+    checkpoints: tuple[tuple[int, str], ...] = ()
+    """Published checkpoints of the current history: (step, path), any order."""
+
+
+@dataclass(frozen=True)
 class Decision:
     quorum: Optional[Quorum]
-    """None while the round must wait."""
+    """None while the round must wait, or when the job halts."""
     reason: str
     refused: Mapping[int, str] = field(default_factory=dict)
     """Replica id -> why its report was refused (config mismatch)."""
+    halt: str = ""
+    """Non-empty: the job must stop (states diverged with no majority); the reason."""
+    diverged: Mapping[int, tuple[str, str]] = field(default_factory=dict)
+    """Replica id -> (its digest, the majority's digest), for the `diverged` event."""
 
 
 def fingerprint_diff(job: Mapping[str, object], mine: Mapping[str, object]) -> str:
@@ -143,8 +226,10 @@ def compute_quorum(
     previous: Optional[Quorum],
     job: JobSpec,
     waited_s: float = 0.0,
+    history: History = History(),
 ) -> Decision:
     """Decide the quorum of `round`; see the module docstring for the rules."""
+    quarantined = {rid: until for rid, until, _ in (previous.quarantine if previous else ()) if round < until}
     refused: dict[int, str] = {}
     valid: dict[int, Report] = {}
     for rid, rep in sorted(reports.items()):
@@ -154,7 +239,7 @@ def compute_quorum(
         if diff:
             refused[rid] = f"replica {rid} (incarnation {rep.incarnation}) refused: job config differs in {diff}"
             continue
-        if rep.round >= round:
+        if rep.round >= round and rid not in quarantined:
             valid[rid] = rep
 
     # Rule 2: wait for every surviving member of the previous quorum.
@@ -164,6 +249,8 @@ def compute_quorum(
             rep = reports.get(rid)
             if rep is None or rep.incarnation != inc or (rid, inc) in evicted or rid in refused:
                 continue  # gone: expired, evicted, or replaced by a new incarnation
+            if rid in quarantined:
+                continue
             survivors.append(rid)
         missing = [r for r in survivors if r not in valid]
         if missing:
@@ -178,6 +265,11 @@ def compute_quorum(
                                   f"{_names(absent)} not reported ({waited_s:.1f}s of {job.init_timeout_s:.1f}s)",
                             refused)
 
+    # Rule 5: a partition that keeps breaking the ring excludes one member.
+    strikes, quarantine, excluded = _strikes(round, valid, previous)
+    for rid in excluded:
+        valid.pop(rid)
+
     # Rule 4: min_replicas.
     if len(valid) < job.min_replicas:
         return Decision(None, f"round {round}: below min_replicas: {len(valid)} of {job.min_replicas} needed "
@@ -185,11 +277,63 @@ def compute_quorum(
 
     members = tuple(sorted(valid))
     incs = tuple(valid[r].incarnation for r in members)
-    max_step = max(valid[r].step for r in members)
-    contributors = tuple(r for r in members if valid[r].step == max_step)
-    lagging = tuple(r for r in members if valid[r].step < max_step)
     member_set = frozenset(zip(members, incs))
+    gen = previous.gen if previous is not None else 0
+    verified = previous.verified_step if previous is not None else -1
 
+    # Rules 6-8: usable states, rewind, sync.
+    usable = {r: valid[r].step for r in members if valid[r].gen == gen or valid[r].step == 0}
+    top = max(usable.values(), default=-1)
+    kind, rewind, notes = TRAIN, None, []
+    if top < history.committed_step:
+        bad = {s for r in members for s in valid[r].bad_checkpoints}
+        ckpts = sorted((s, p) for s, p in history.checkpoints if s <= history.committed_step and s not in bad)
+        ck_step, ck_path = ckpts[-1] if ckpts else (-1, "")
+        if top < 0 and ck_step < 0:
+            return Decision(None, f"round {round}: rewind needed (the job reached step {history.committed_step}, "
+                                  f"no replica holds a usable state) but there is no checkpoint; waiting for a "
+                                  f"fresh replica", refused)
+        gen += 1
+        if top >= ck_step:
+            max_step, source, ck_path, ck_step = top, min(r for r, s in usable.items() if s == top), "", -1
+            src_text = f"r{source}'s state" if top > 0 else f"step 0 (no checkpoint; initial state of r{source})"
+        else:
+            max_step, source = ck_step, members[0]
+            src_text = f"checkpoint step {ck_step}, loaded by r{source}"
+        rewind = {"from": history.committed_step, "to": max_step, "checkpoint": ck_path, "checkpoint_step": ck_step}
+        kind, verified = SYNC, -1
+        notes.append(f"rewind from step {history.committed_step} to {max_step} ({src_text}), generation {gen}")
+        contributors = (source,)
+    else:
+        max_step = top
+        contributors = tuple(r for r in members if usable.get(r) == top and valid[r].synced and valid[r].gen == gen)
+        if not contributors:
+            kind = SYNC
+            contributors = (min(r for r, s in usable.items() if s == top),)
+            notes.append(f"sync: every replica adopts r{contributors[0]}'s state")
+
+    # Rule 9: the divergence guard.
+    diverged: dict[int, tuple[str, str]] = {}
+    if kind == TRAIN:
+        digests = {r: valid[r].digest for r in contributors if valid[r].digest and valid[r].digest_step == max_step}
+        groups = Counter(digests.values())
+        if len(groups) > 1:
+            (best, n), *rest = groups.most_common()
+            listing = ", ".join(f"r{r}={d}" for r, d in sorted(digests.items()))
+            if 2 * n <= len(digests):
+                return Decision(None, f"round {round}: replicas diverged at step {max_step} with no majority "
+                                      f"({listing})", refused,
+                                halt=f"replica states diverged at step {max_step} and no majority agrees: "
+                                     f"{listing}. The job stops; resume it from the last verified checkpoint "
+                                     f"(step <= {verified}) with `lightning-ft run --resume RUN_DIR`")
+            diverged = {r: (d, best) for r, d in digests.items() if d != best}
+            contributors = tuple(r for r in contributors if r not in diverged)
+            notes.append(f"diverged {_names(diverged)} at step {max_step} (majority {best}); healing by catch-up")
+        if digests:
+            verified = max_step
+    lagging = tuple(r for r in members if r not in contributors)
+
+    # Rule 11: the epoch.
     if previous is None:
         epoch, change = 0, "first quorum"
     elif member_set == previous.member_set():
@@ -209,15 +353,55 @@ def compute_quorum(
         if left:
             parts.append(f"left {_names(left)}")
         change = ", ".join(parts)
+    if excluded:
+        notes.append(f"excluded {_names(excluded)} after {STRIKES} failed ring rounds (partition)")
     reason = (f"round {round} epoch {epoch}: {len(members)}/{job.replicas} replicas [{_names(members)}] ({change}); "
               f"max_step {max_step}")
     if lagging:
-        reason += f"; lagging {_names(lagging)} (" + ", ".join(f"r{r} at {valid[r].step}" for r in lagging) + ")"
+        word = "adopting" if kind == SYNC else "lagging"
+        reason += f"; {word} {_names(lagging)} (" + ", ".join(f"r{r} at {valid[r].step}" for r in lagging) + ")"
+    for note in notes:
+        reason += f"; {note}"
     if refused:
         reason += f"; refused {_names(refused)}"
     q = Quorum(round=round, epoch=epoch, members=members, incarnations=incs, max_step=max_step,
                contributors=contributors, lagging=lagging,
                addrs=tuple(valid[r].addrs for r in members),
                state_addrs=tuple(valid[r].state_addrs for r in members),
-               cursors=tuple(valid[r].cursor for r in members), reason=reason)
-    return Decision(q, reason, refused)
+               cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
+               rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
+               quarantine=quarantine, stop=any(valid[r].stop for r in members))
+    return Decision(q, reason, refused, diverged=diverged)
+
+
+def _strikes(round: int, valid: Mapping[int, Report], previous: Optional[Quorum]
+             ) -> tuple[int, tuple[tuple[int, int, int], ...], list[int]]:
+    """Rule 5: (strikes, quarantine list, members to exclude now)."""
+    entries = {rid: (until, k) for rid, until, k in (previous.quarantine if previous else ())}
+    if previous is None:
+        return 0, (), []
+    member_set = frozenset((r, p.incarnation) for r, p in valid.items())
+    broken = [r for r, p in valid.items() if not p.ring_ok]
+    same = member_set == previous.member_set()
+    strikes = previous.strikes + 1 if (same and broken) else 0
+    excluded: list[int] = []
+    if strikes >= STRIKES:
+        blamed = Counter(b for r in broken for b in valid[r].blame if b in valid and b != r)
+        pool = blamed or Counter({r: 1 for r in broken})
+        top = max(pool.values())
+        victim = max(r for r, n in pool.items() if n == top)
+        k = entries.get(victim, (0, 0))[1]
+        entries[victim] = (round + QUARANTINE_ROUNDS * 2 ** k, k + 1)
+        excluded, strikes = [victim], 0
+    if not broken and not excluded:  # a healthy ring with them: members that are back are forgiven
+        entries = {r: e for r, e in entries.items() if not (r in valid and r in previous.members)}
+    quarantine = tuple(sorted((r, until, k) for r, (until, k) in entries.items()))
+    return strikes, quarantine, excluded
+
+
+def adopt_role(q: Quorum, rid: int) -> str:
+    """This replica's role in `q`: "train", "catchup" (train round, lagging), "source" or
+    "adopt" (sync round)."""
+    if q.kind == SYNC:
+        return "source" if rid == q.source else "adopt"
+    return "train" if rid in q.contributors else "catchup"

@@ -86,6 +86,11 @@ class Store(ABC):
         return self.cas(key, 0, value, lease)
 
     @abstractmethod
+    def put_if(self, key: str, value: bytes, created: dict[str, int]) -> bool:
+        """Write `key` only if every key in `created` has that create revision (0: absent).
+        A fence: e.g. "my member key is the one I created, and I am not evicted"."""
+
+    @abstractmethod
     def lease_grant(self, ttl_s: float) -> int:
         """A new lease id that expires `ttl_s` seconds after its last keepalive."""
 
@@ -239,6 +244,16 @@ class MemoryStore(Store):
         self._flush()
         return True
 
+    def put_if(self, key: str, value: bytes, created: dict[str, int]) -> bool:
+        with self._lock:
+            for k, rev in created.items():
+                cur = self._current(k)
+                if (cur.create_revision if cur is not None else 0) != rev:
+                    return False
+            self._write(key, value)
+        self._flush()
+        return True
+
     def lease_grant(self, ttl_s: float) -> int:
         with self._lock:
             lid = next(self._lease_ids)
@@ -384,6 +399,12 @@ class EtcdStore(Store):
         cmp = self._tx.mod(key) == expected_mod_revision
         ok, _ = self._call(f"cas {key}", self._client.transaction, compare=[cmp],
                            success=[self._tx.put(key, value, lease=lease or None)], failure=[])
+        return bool(ok)
+
+    def put_if(self, key: str, value: bytes, created: dict[str, int]) -> bool:
+        cmps = [self._tx.create(k) == rev for k, rev in created.items()]
+        ok, _ = self._call(f"put_if {key}", self._client.transaction, compare=cmps,
+                           success=[self._tx.put(key, value)], failure=[])
         return bool(ok)
 
     def lease_grant(self, ttl_s: float) -> int:

@@ -7,9 +7,11 @@ trained in that step (a monotonic max, via CAS, so racing committers agree). A r
 resumes at its slot's cursor after a restart or catch-up, so the batches of a dead slot
 wait for it rather than being skipped.
 
-Every commit is recorded at `commits/{step}/{rid}` = {"epoch", "round", "batches": {slot: k}}.
-`verify_ledger` checks that these records form an exact partition of each slot's consumed
-prefix: no batch twice, none missing.
+Every commit is recorded at `commits/{gen}/{step}/{rid}` = {"epoch", "round", "batches":
+{slot: k}} (keys.py), written through a fence so that an evicted or lapsed replica cannot
+record late. `verify_ledger` checks that the records of the final model's history (rewinds
+supersede later commits of older generations) form an exact partition of each slot's
+consumed prefix: no batch twice, none missing.
 
 Scaling note (not done yet): every committer advances every contributor's cursor (get + CAS
 each), O(R^2) etcd requests per step. A cheaper design: each replica writes only its own
@@ -24,9 +26,10 @@ import json
 import os
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional, Sequence
 
+from lightning_ft.coord import keys
 from lightning_ft.coord.store import Store
 
 
@@ -103,19 +106,23 @@ class SlotSampler:
 
 
 # -- cursors and the ledger in the store --------------------------------------------------------
+#
+# Generations. A rewind (docs/ARCHITECTURE.md, "Rewinds") starts history generation g+1 at
+# step T: `rewinds/{g+1}` records {from, to: T, cursors at T}, the new generation's cursors
+# are seeded from it, and commits of earlier generations at steps >= T are *superseded*:
+# they trained a state that no longer exists. The final model's history is, newest
+# generation first, each generation's commits from its base step up to the base of the
+# next surviving generation.
 
-def cursor_key(root: str, slot: int) -> str:
-    return f"{root}cursor/{slot}"
 
-
-def read_cursor(store: Store, root: str, slot: int) -> int:
-    kv = store.get(cursor_key(root, slot))
+def read_cursor(store: Store, root: str, slot: int, gen: int = 0) -> int:
+    kv = store.get(keys.cursor(root, slot, gen))
     return int(kv.value) if kv else 0
 
 
-def advance_cursor(store: Store, root: str, slot: int, value: int) -> int:
+def advance_cursor(store: Store, root: str, slot: int, value: int, gen: int = 0) -> int:
     """Set the slot's cursor to max(current, value) with CAS; returns the cursor after."""
-    key = cursor_key(root, slot)
+    key = keys.cursor(root, slot, gen)
     while True:
         kv = store.get(key)
         cur = int(kv.value) if kv else 0
@@ -126,23 +133,102 @@ def advance_cursor(store: Store, root: str, slot: int, value: int) -> int:
 
 
 def record_commit(store: Store, root: str, step: int, rid: int, epoch: int, round: int,
-                  batches: Mapping[int, int]) -> None:
-    """Write the ledger entry for `rid` committing `step`, then advance every contributor's
-    cursor past the batch it trained."""
-    rec = {"epoch": epoch, "round": round, "batches": {str(s): k for s, k in sorted(batches.items())}}
-    store.put(f"{root}commits/{step:012d}/{rid}", json.dumps(rec, sort_keys=True).encode())
+                  batches: Mapping[int, int], gen: int = 0, fence: Optional[dict[str, int]] = None) -> bool:
+    """Write the ledger entry for `rid` committing `step` in generation `gen`, then advance
+    every contributor's cursor past the batch it trained. With `fence` ({key: create
+    revision}), nothing is written unless the fence holds (an evicted or lapsed replica
+    must not record late); returns whether it was written."""
+    rec = json.dumps({"epoch": epoch, "round": round, "batches": {str(s): k for s, k in sorted(batches.items())}},
+                     sort_keys=True).encode()
+    key = keys.commit(root, gen, step, rid)
+    if fence is not None:
+        if not store.put_if(key, rec, fence):
+            return False
+    else:
+        store.put(key, rec)
     for slot, k in batches.items():
-        advance_cursor(store, root, slot, k + 1)
+        advance_cursor(store, root, slot, k + 1, gen)
+    return True
+
+
+def recorded(store: Store, root: str, gen: int, step: int) -> bool:
+    """Whether some replica recorded a commit of `step` in generation `gen`."""
+    kvs, _ = store.get_prefix(keys.commits(root, gen, step))
+    return bool(kvs)
+
+
+def read_rewinds(store: Store, root: str) -> dict[int, dict]:
+    """Generation -> its rewind record ({"from", "to", "cursors", ...}); generation 0's record,
+    if any, is the base written by a `--resume` (see `seed_generation`)."""
+    kvs, _ = store.get_prefix(keys.rewinds(root))
+    return {int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value) for kv in kvs}
+
+
+def latest_gen(store: Store, root: str) -> int:
+    return max(read_rewinds(store, root), default=0)
+
+
+def seed_generation(store: Store, root: str, gen: int, base_step: int, cursors: Mapping[int, int],
+                    **info: object) -> None:
+    """Start generation `gen` at `base_step` with these slot cursors (a rewind, or the base of
+    a `--resume`): the rewind record first, then the cursors."""
+    rec = {"to": int(base_step), "cursors": {str(s): int(k) for s, k in sorted(cursors.items())}, **info}
+    store.put(keys.rewinds(root, gen), json.dumps(rec, sort_keys=True).encode())
+    for slot, k in cursors.items():
+        advance_cursor(store, root, int(slot), int(k), gen)
+
+
+def _history(store: Store, root: str) -> tuple[dict[int, tuple[int, int]], dict[int, dict], dict]:
+    """(gen -> effective step range [lo, hi)), the rewinds, and gen -> step -> [records])."""
+    rewinds = read_rewinds(store, root)
+    kvs, _ = store.get_prefix(keys.commits(root))
+    by_gen: dict[int, dict[int, list[dict]]] = {}
+    for kv in kvs:
+        gen, step, _ = keys.parse_commit(root, kv.key)
+        by_gen.setdefault(gen, {}).setdefault(step, []).append(json.loads(kv.value))
+    gens = sorted(set(by_gen) | set(rewinds) | {0})
+    ranges: dict[int, tuple[int, int]] = {}
+    limit = 1 << 62
+    for g in reversed(gens):
+        lo = int(rewinds[g]["to"]) if g in rewinds else 0
+        if g > 0 and g not in rewinds:
+            lo = limit  # a rewind that never got its record: nothing of it survives
+        ranges[g] = (min(lo, limit), limit)
+        limit = min(limit, lo)
+    return ranges, rewinds, by_gen
+
+
+def cursors_at(store: Store, root: str, step: int, slots: Sequence[int]) -> dict[int, int]:
+    """The slot cursors of the final history's state at `step` (before step `step` trains):
+    one past each slot's last batch committed below `step`, else the base's cursor."""
+    ranges, rewinds, by_gen = _history(store, root)
+    out = {s: int(rewinds.get(0, {}).get("cursors", {}).get(str(s), 0)) for s in slots}
+    for g in sorted(ranges):
+        lo, hi = ranges[g]
+        if lo >= step:
+            break
+        if g in rewinds and g > 0:
+            for s in slots:
+                out[s] = int(rewinds[g]["cursors"].get(str(s), out[s]))
+        for n in sorted(by_gen.get(g, {})):
+            if lo <= n < min(hi, step):
+                for slot, k in by_gen[g][n][0]["batches"].items():
+                    if int(slot) in out:
+                        out[int(slot)] = int(k) + 1
+    return out
 
 
 @dataclass
 class LedgerReport:
     steps: int
     trained: dict[int, list[int]]
-    """Slot -> batch indices trained, in step order."""
+    """Slot -> batch indices trained by the final history, in step order."""
     duplicates: list[tuple[int, int]]
     gaps: list[tuple[int, int]]
     conflicts: list[str]
+    superseded: int = 0
+    """Commits of steps a later rewind discarded (their batches were trained again)."""
+    rewinds: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -150,24 +236,29 @@ class LedgerReport:
 
 
 def verify_ledger(store: Store, root: str, cursors: Optional[Mapping[int, int]] = None) -> LedgerReport:
-    """Check the exactly-once invariant over every `commits/` record.
+    """Check the exactly-once invariant over the final model's history.
 
     Records of one step must agree (every committer of step n saw the same quorum). Per
-    slot, the trained batch indices must be exactly 0..cursor-1, each once."""
-    kvs, _ = store.get_prefix(f"{root}commits/")
-    by_step: dict[int, list[dict]] = {}
-    for kv in kvs:
-        step = int(kv.key[len(root) + len("commits/"):].split("/")[0])
-        by_step.setdefault(step, []).append(json.loads(kv.value))
-    conflicts, trained = [], {}
-    for step in sorted(by_step):
-        recs = by_step[step]
-        batches = [r["batches"] for r in recs]
-        if any(b != batches[0] for b in batches):
-            conflicts.append(f"step {step}: committers disagree on its batches: {batches}")
-        for slot, k in batches[0].items():
-            trained.setdefault(int(slot), []).append(int(k))
+    slot, the batch indices the final history trained must be exactly base..cursor-1, each
+    once, where base is the slot's cursor at the history's start (0, or a resume's) and
+    cursor defaults to one past the last batch trained."""
+    ranges, rewinds, by_gen = _history(store, root)
+    base = {int(s): int(k) for s, k in rewinds.get(0, {}).get("cursors", {}).items()}
+    conflicts, trained, steps, superseded = [], {}, 0, 0
     duplicates, gaps = [], []
+    for g in sorted(ranges):
+        lo, hi = ranges[g]
+        for n in sorted(by_gen.get(g, {})):
+            recs = by_gen[g][n]
+            if not lo <= n < hi:
+                superseded += len(recs)
+                continue
+            steps += 1
+            batches = [r["batches"] for r in recs]
+            if any(b != batches[0] for b in batches):
+                conflicts.append(f"generation {g} step {n}: committers disagree on its batches: {batches}")
+            for slot, k in batches[0].items():
+                trained.setdefault(int(slot), []).append(int(k))
     for slot, ks in trained.items():
         seen = set()
         for k in ks:
@@ -175,8 +266,9 @@ def verify_ledger(store: Store, root: str, cursors: Optional[Mapping[int, int]] 
                 duplicates.append((slot, k))
             seen.add(k)
         end = cursors[slot] if cursors and slot in cursors else (max(ks) + 1 if ks else 0)
-        gaps += [(slot, k) for k in range(end) if k not in seen]
-    return LedgerReport(len(by_step), trained, duplicates, gaps, conflicts)
+        gaps += [(slot, k) for k in range(base.get(slot, 0), end) if k not in seen]
+    return LedgerReport(steps, trained, duplicates, gaps, conflicts, superseded,
+                        [dict(rewinds[g], gen=g) for g in sorted(rewinds) if g > 0])
 
 
 def write_loader_state(path: str, cursors: Mapping[int, int]) -> None:
@@ -189,5 +281,7 @@ def write_loader_state(path: str, cursors: Mapping[int, int]) -> None:
     os.replace(tmp, path)
 
 
-def read_cursors(store: Store, root: str, slots: Sequence[int]) -> dict[int, int]:
-    return {s: read_cursor(store, root, s) for s in slots}
+def read_cursors(store: Store, root: str, slots: Sequence[int], gen: Optional[int] = None) -> dict[int, int]:
+    """The slots' cursors in generation `gen` (default: the newest)."""
+    g = latest_gen(store, root) if gen is None else gen
+    return {s: read_cursor(store, root, s, g) for s in slots}

@@ -17,8 +17,11 @@ def rep(rid, step=0, round=0, inc=0, fp=None):
                   addrs=(f"h:{1000 + rid}",))
 
 
-def decide(round, reports, evicted=(), previous=None, job=JOB, waited_s=0.0):
-    return compute_quorum(round, {r.rid: r for r in reports}, frozenset(evicted), previous, job, waited_s)
+def decide(round, reports, evicted=(), previous=None, job=JOB, waited_s=0.0, history=None):
+    from lightning_ft.coord.quorum import History
+
+    return compute_quorum(round, {r.rid: r for r in reports}, frozenset(evicted), previous, job, waited_s,
+                          history or History())
 
 
 def prev_of(*reports, round=0, epoch=0):
@@ -196,3 +199,260 @@ def test_random_decisions_obey_invariants(seed):
     if prev is not None:
         same = q.member_set() == prev.member_set() and all(reports[r].ring_ok for r in q.members)
         assert q.epoch == (prev.epoch if same else prev.epoch + 1)
+
+
+# -- rules 5-9: partitions, usable states, rewinds, sync rounds, the divergence guard -------------
+
+from lightning_ft.coord.quorum import QUARANTINE_ROUNDS, STRIKES, SYNC, TRAIN, History, adopt_role  # noqa: E402
+
+
+def srep(rid, step=0, round=1, inc=0, gen=0, synced=True, digest="", digest_step=-1, ring_ok=True, blame=(),
+         bad=()):
+    return Report(rid=rid, incarnation=inc, step=step, round=round, fingerprint=FP, addrs=(f"h:{1000 + rid}",),
+                  gen=gen, synced=synced, digest=digest, digest_step=digest_step, ring_ok=ring_ok, blame=blame,
+                  bad_checkpoints=bad)
+
+
+def quorum_of(members, step, round=0, gen=0, epoch=0, incs=None, **kw):
+    incs = incs or (0,) * len(members)
+    return Quorum(round=round, epoch=epoch, members=tuple(members), incarnations=tuple(incs), max_step=step,
+                  contributors=tuple(members), lagging=(), gen=gen, **kw)
+
+
+def test_job_start_with_fresh_replicas_is_a_sync_round_from_the_lowest_id():
+    d = decide(0, [srep(r, round=0, synced=False) for r in range(3)])
+    q = d.quorum
+    assert q.kind == SYNC and q.source == 0 and q.contributors == (0,) and q.lagging == (1, 2)
+    assert q.max_step == 0 and q.gen == 0 and q.rewind is None
+    assert d.reason == ("round 0 epoch 0: 3/3 replicas [r0 r1 r2] (first quorum); max_step 0; adopting r1 r2 "
+                        "(r1 at 0, r2 at 0); sync: every replica adopts r0's state")
+    assert [adopt_role(q, r) for r in range(3)] == ["source", "adopt", "adopt"]
+
+
+def test_after_the_sync_the_synced_replicas_train():
+    prev = dataclasses.replace(quorum_of((0, 1, 2), 0), kind=SYNC, contributors=(0,), lagging=(1, 2))
+    d = decide(1, [srep(r, 0, round=1) for r in range(3)], previous=prev)
+    assert d.quorum.kind == TRAIN and d.quorum.contributors == (0, 1, 2)
+    assert [adopt_role(d.quorum, r) for r in range(3)] == ["train"] * 3
+
+
+def test_fresh_replica_at_the_job_step_catches_up_instead_of_contributing():
+    prev = quorum_of((0, 1), 0)
+    d = decide(1, [srep(0, 0), srep(1, 0), srep(2, 0, inc=1, synced=False)], previous=prev)
+    q = d.quorum
+    assert q.kind == TRAIN and q.contributors == (0, 1) and q.lagging == (2,)
+    assert adopt_role(q, 2) == "catchup"
+
+
+def test_resumed_replicas_at_the_checkpoint_step_sync_from_the_lowest_id():
+    d = decide(0, [srep(r, 40, round=0, synced=False) for r in (2, 1, 0)], history=History(committed_step=40))
+    q = d.quorum
+    assert q.kind == SYNC and q.source == 0 and q.max_step == 40 and q.rewind is None
+
+
+def test_total_loss_rewinds_to_the_newest_checkpoint():
+    prev = quorum_of((0, 1, 2), 60, round=70)
+    reports = [srep(r, 0, round=71, inc=1, synced=False) for r in range(3)]
+    hist = History(committed_step=61, checkpoints=((40, "/c/40"), (60, "/c/60"), (20, "/c/20")))
+    d = decide(71, reports, evicted={(0, 0), (1, 0), (2, 0)}, previous=prev, history=hist, waited_s=99)
+    q = d.quorum
+    assert q.kind == SYNC and q.gen == 1 and q.max_step == 60 and q.source == 0
+    assert q.rewind == {"from": 61, "to": 60, "checkpoint": "/c/60", "checkpoint_step": 60}
+    assert "rewind from step 61 to 60 (checkpoint step 60, loaded by r0), generation 1" in d.reason
+
+
+def test_rewind_skips_checkpoints_a_replica_could_not_load():
+    prev = quorum_of((0, 1), 60, round=70)
+    reports = [srep(0, 0, round=71, inc=1, synced=False, bad=(60,)), srep(1, 0, round=71, inc=1, synced=False)]
+    hist = History(committed_step=61, checkpoints=((40, "/c/40"), (60, "/c/60")))
+    q = decide(71, reports, evicted={(0, 0), (1, 0)}, previous=prev, history=hist, waited_s=99).quorum
+    assert q.rewind["checkpoint"] == "/c/40" and q.max_step == 40
+
+
+def test_total_loss_without_checkpoint_rewinds_to_step_0_from_a_fresh_replica():
+    prev = quorum_of((0, 1), 30, round=30)
+    reports = [srep(1, 0, round=31, inc=1, synced=False), srep(0, 0, round=31, inc=1, synced=False)]
+    d = decide(31, reports, evicted={(0, 0), (1, 0)}, previous=prev, history=History(committed_step=31),
+               job=JobSpec(2, 1, 10.0, FP))
+    q = d.quorum
+    assert q.kind == SYNC and q.max_step == 0 and q.source == 0 and q.gen == 1
+    assert q.rewind == {"from": 31, "to": 0, "checkpoint": "", "checkpoint_step": -1}
+    assert "rewind from step 31 to 0 (step 0 (no checkpoint; initial state of r0))" in d.reason
+
+
+def test_a_surviving_state_newer_than_the_checkpoint_wins_the_rewind():
+    # r2 was stopped at step 55 while the others trained to 60 and died; checkpoint at 40.
+    prev = quorum_of((0, 1), 60, round=80)
+    reports = [srep(0, 0, round=81, inc=1, synced=False), srep(2, 55, round=81)]
+    hist = History(committed_step=61, checkpoints=((40, "/c/40"),))
+    q = decide(81, reports, evicted={(0, 0), (1, 0)}, previous=prev, history=hist, waited_s=99).quorum
+    assert q.kind == SYNC and q.source == 2 and q.max_step == 55 and q.lagging == (0,)
+    assert q.rewind == {"from": 61, "to": 55, "checkpoint": "", "checkpoint_step": -1}
+
+
+def test_partial_commit_by_dead_replicas_is_a_one_step_rewind():
+    prev = quorum_of((0, 1), 9, round=9)
+    # r0 committed step 9 (recorded) and died; r1 failed its vote and is still at 9.
+    d = decide(10, [srep(1, 9, round=10)], evicted={(0, 0)}, previous=prev, history=History(committed_step=10))
+    q = d.quorum
+    assert q.kind == SYNC and q.gen == 1 and q.source == 1 and q.max_step == 9
+    assert q.rewind["from"] == 10 and q.rewind["to"] == 9
+
+
+def test_no_rewind_while_someone_holds_the_newest_step():
+    prev = quorum_of((0, 1, 2), 9, round=9)
+    d = decide(10, [srep(0, 10, round=10), srep(2, 3, round=10, inc=1, synced=False)], evicted={(1, 0)}, previous=prev,
+               history=History(committed_step=10))
+    q = d.quorum
+    assert q.kind == TRAIN and q.gen == 0 and q.contributors == (0,) and q.lagging == (2,)
+
+
+def test_stale_generation_state_is_not_usable_and_adopts():
+    prev = quorum_of((0, 1), 40, round=50, gen=1)
+    # r2 slept through a rewind: its step-58 state belongs to generation 0.
+    d = decide(51, [srep(0, 41, round=51, gen=1), srep(1, 41, round=51, gen=1), srep(2, 58, round=51, gen=0)],
+               previous=prev, history=History(committed_step=41))
+    q = d.quorum
+    assert q.kind == TRAIN and q.max_step == 41 and q.contributors == (0, 1) and q.lagging == (2,)
+
+
+def test_no_usable_state_and_no_checkpoint_waits_for_a_fresh_replica():
+    prev = quorum_of((0, 1), 40, round=50, gen=1)
+    d = decide(51, [srep(2, 58, round=51, gen=0)], evicted={(0, 0), (1, 0)}, previous=prev,
+               history=History(committed_step=41), waited_s=99)
+    assert d.quorum is None and "no checkpoint; waiting for a fresh replica" in d.reason
+
+
+def test_diverged_minority_heals_as_lagging():
+    prev = quorum_of((0, 1, 2), 9, round=9)
+    reports = [srep(0, 10, 10, digest="aa", digest_step=10), srep(1, 10, 10, digest="bb", digest_step=10),
+               srep(2, 10, 10, digest="aa", digest_step=10)]
+    d = decide(10, reports, previous=prev)
+    q = d.quorum
+    assert q.contributors == (0, 2) and q.lagging == (1,) and q.diverged == (1,) and q.verified_step == 10
+    assert d.diverged == {1: ("bb", "aa")}
+    assert "diverged r1 at step 10 (majority aa); healing by catch-up" in d.reason
+
+
+def test_two_replicas_that_disagree_halt_the_job_naming_them():
+    prev = quorum_of((0, 1), 9, round=9, verified_step=5)
+    reports = [srep(0, 10, 10, digest="aa", digest_step=10), srep(1, 10, 10, digest="bb", digest_step=10)]
+    d = decide(10, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP))
+    assert d.quorum is None
+    assert d.halt.startswith("replica states diverged at step 10 and no majority agrees: r0=aa, r1=bb.")
+    assert "(step <= 5)" in d.halt
+
+
+def test_digests_of_other_steps_are_not_compared():
+    prev = quorum_of((0, 1, 2), 9, round=9, verified_step=5)
+    reports = [srep(0, 10, 10, digest="aa", digest_step=10), srep(1, 10, 10, digest="bb", digest_step=5),
+               srep(2, 10, 10)]
+    q = decide(10, reports, previous=prev).quorum
+    assert q.contributors == (0, 1, 2) and q.diverged == () and q.verified_step == 10
+
+
+def test_agreeing_digests_advance_the_verified_step():
+    prev = quorum_of((0, 1), 9, round=9, verified_step=5)
+    reports = [srep(r, 10, 10, digest="aa", digest_step=10) for r in (0, 1)]
+    assert decide(10, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP)).quorum.verified_step == 10
+    reports = [srep(r, 10, 10) for r in (0, 1)]
+    assert decide(10, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP)).quorum.verified_step == 5
+
+
+def _broken_rounds(members, blame, start_round=10, strikes_before=0, quarantine=()):
+    prev = quorum_of(members, 5, round=start_round - 1, strikes=strikes_before, quarantine=quarantine)
+    reports = [srep(r, 5, round=start_round, ring_ok=False, blame=blame.get(r, ())) for r in members]
+    return decide(start_round, reports, previous=prev)
+
+
+def test_ftar_only_partition_excludes_the_most_blamed_after_strikes():
+    # r1-r2 link cut: each blames the other; r0's exchange failed towards r2 too.
+    blame = {0: (2,), 1: (2,), 2: (1,)}
+    for s in range(STRIKES - 1):
+        d = _broken_rounds((0, 1, 2), blame, strikes_before=s)
+        assert d.quorum.members == (0, 1, 2) and d.quorum.strikes == s + 1
+    d = _broken_rounds((0, 1, 2), blame, strikes_before=STRIKES - 1)
+    q = d.quorum
+    assert q.members == (0, 1) and q.strikes == 0
+    assert q.quarantine == ((2, 10 + QUARANTINE_ROUNDS, 1),)
+    assert f"excluded r2 after {STRIKES} failed ring rounds (partition)" in d.reason
+
+
+def test_symmetric_blame_excludes_the_higher_id():
+    d = _broken_rounds((0, 1), {0: (1,), 1: (0,)}, strikes_before=STRIKES - 1)
+    assert d.quorum.members == (0,) and d.quorum.quarantine[0][0] == 1
+
+
+def test_quarantined_member_sits_out_then_returns_and_repeat_doubles():
+    prev = quorum_of((0, 1), 5, round=11, quarantine=((2, 14, 1),))
+    reports = [srep(0, 6, round=12), srep(1, 6, round=12), srep(2, 5, round=12)]
+    assert decide(12, reports, previous=prev).quorum.members == (0, 1)
+    reports = [dataclasses.replace(r, round=14) for r in reports]
+    q = decide(14, reports, previous=dataclasses.replace(prev, round=13)).quorum
+    assert q.members == (0, 1, 2) and q.lagging == (2,)
+    assert q.quarantine == ((2, 14, 1),)  # not forgiven until a healthy round with it
+    # it breaks the ring again: the next exclusion lasts twice as long
+    d = _broken_rounds((0, 1, 2), {0: (2,), 1: (2,), 2: (0,)}, start_round=20, strikes_before=STRIKES - 1,
+                       quarantine=((2, 14, 1),))
+    assert d.quorum.quarantine == ((2, 20 + 2 * QUARANTINE_ROUNDS, 2),)
+
+
+def test_healthy_round_forgives_a_returned_member():
+    prev = quorum_of((0, 1, 2), 5, round=19, quarantine=((2, 14, 1),))
+    q = decide(20, [srep(r, 6, round=20) for r in range(3)], previous=prev).quorum
+    assert q.quarantine == ()
+
+
+def test_membership_change_resets_strikes():
+    prev = quorum_of((0, 1, 2), 5, round=9, strikes=2)
+    q = decide(10, [srep(0, 5, 10, ring_ok=False, blame=(1,)), srep(1, 5, 10, ring_ok=False)], evicted={(2, 0)},
+               previous=dataclasses.replace(prev, round=9)).quorum
+    assert q.strikes == 0 and q.members == (0, 1)
+
+
+def test_report_and_quorum_json_roundtrip_with_the_new_fields():
+    r = srep(1, 3, digest="ab", digest_step=3, blame=(2,), bad=(40,), synced=False, gen=2)
+    assert Report.from_json(r.to_json()) == r
+    prev = quorum_of((0, 1), 60, round=70)
+    q = decide(71, [srep(r, 0, round=71, inc=1, synced=False) for r in (0, 1)], evicted={(0, 0), (1, 0)},
+               previous=prev, history=History(61, ((40, "/c"),)), waited_s=99).quorum
+    assert Quorum.from_json(q.to_json()) == q
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_random_histories_never_lose_the_newest_state(seed):
+    """Whatever survives, a round either trains from a member holding the newest committed
+    state of its generation, or rewinds to the best state that exists (and says so)."""
+    rng = random.Random(seed)
+    R = rng.randint(1, 6)
+    gen = rng.randint(0, 2)
+    H = rng.randint(0, 30)
+    prev = quorum_of(tuple(range(R)), max(0, H - 1), round=20, gen=gen, incs=(0,) * R)
+    reports = {}
+    for r in range(R):
+        if rng.random() < 0.7:
+            inc = rng.choice([0, 1])
+            step = rng.choice([0, max(0, H - rng.randint(0, 3)), H]) if inc == 0 else rng.choice([0, 0, H])
+            reports[r] = srep(r, step, round=21, inc=inc, gen=rng.choice([gen, gen, gen - 1]) if step else gen,
+                              synced=rng.random() < 0.7)
+    evicted = {(r, 0) for r in range(R) if r in reports and reports[r].incarnation == 1}
+    ckpts = tuple((s, f"/c/{s}") for s in sorted(rng.sample(range(0, 31, 5), rng.randint(0, 3))) if s <= H)
+    d = compute_quorum(21, reports, frozenset(evicted), prev, JobSpec(R, 1, 0.0, FP), 99.0, History(H, ckpts))
+    q = d.quorum
+    if q is None:
+        return
+    usable = {r: reports[r].step for r in q.members if reports[r].gen == gen or reports[r].step == 0}
+    best = max(usable.values(), default=-1)
+    if best >= H:
+        assert q.rewind is None and q.gen == gen and q.max_step == best
+        if q.kind == TRAIN:
+            assert all(reports[r].step == best and reports[r].synced and reports[r].gen == gen
+                       for r in q.contributors)
+    else:
+        ck = max((s for s, _ in ckpts), default=-1)
+        assert q.rewind is not None and q.gen == gen + 1 and q.kind == SYNC
+        assert q.max_step == max(best, ck) and q.rewind["to"] == q.max_step and q.rewind["from"] == H
+        assert (q.rewind["checkpoint"] != "") == (ck > best)
+    assert set(q.contributors) | set(q.lagging) == set(q.members) and len(q.contributors) >= 1
+    if q.kind == SYNC:
+        assert len(q.contributors) == 1

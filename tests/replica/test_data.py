@@ -6,8 +6,9 @@ import threading
 import pytest
 
 from lightning_ft.coord.store import MemoryStore
-from lightning_ft.replica.data import (SlotSampler, SlotStream, advance_cursor, read_cursor, record_commit,
-                                       verify_ledger, write_loader_state)
+from lightning_ft.replica.data import (SlotSampler, SlotStream, advance_cursor, cursors_at, read_cursor,
+                                       read_cursors, record_commit, recorded, seed_generation, verify_ledger,
+                                       write_loader_state)
 
 ROOT = "/lft/j/"
 
@@ -60,7 +61,7 @@ def test_ledger_accepts_an_exact_partition_and_names_duplicates_and_gaps():
     rep = verify_ledger(store, ROOT)
     assert rep.duplicates == [(0, 2)] and rep.gaps == [(1, 2)]
     record_commit(store, ROOT, 3, 1, 2, 3, {0: 3, 1: 2, 2: 3})
-    assert verify_ledger(store, ROOT).conflicts[0].startswith("step 3: committers disagree")
+    assert verify_ledger(store, ROOT).conflicts[0].startswith("generation 0 step 3: committers disagree")
 
 
 def test_loader_state_is_written_atomically(tmp_path):
@@ -68,3 +69,66 @@ def test_loader_state_is_written_atomically(tmp_path):
     write_loader_state(str(path), {1: 4, 0: 7})
     assert path.read_text() == '{"0": 7, "1": 4}'
     assert [p.name for p in path.parent.iterdir()] == ["loader_state.json"]
+
+
+def _train(store, gen, steps, slots, start=None, rid=0):
+    """Commit `steps` (step -> batch of every slot) in generation `gen`."""
+    for step, k in steps.items():
+        record_commit(store, ROOT, step, rid, 0, step, {s: k for s in slots}, gen=gen)
+
+
+def test_a_rewind_supersedes_later_commits_and_the_history_stays_exact():
+    store = MemoryStore()
+    _train(store, 0, {n: n for n in range(10)}, (0, 1))          # steps 0..9 trained batches 0..9
+    assert cursors_at(store, ROOT, 6, (0, 1)) == {0: 6, 1: 6}
+    seed_generation(store, ROOT, 1, 6, cursors_at(store, ROOT, 6, (0, 1)), **{"from": 10})
+    assert read_cursors(store, ROOT, (0, 1)) == {0: 6, 1: 6}     # the newest generation's cursors
+    _train(store, 1, {n: n for n in range(6, 12)}, (0, 1))       # batches 6..11 again, once each in the end
+    rep = verify_ledger(store, ROOT)
+    assert rep.ok, (rep.duplicates, rep.gaps, rep.conflicts)
+    assert rep.steps == 12 and rep.superseded == 4 and rep.trained[0] == list(range(12))
+    assert rep.rewinds == [{"from": 10, "to": 6, "cursors": {"0": 6, "1": 6}, "gen": 1}]
+
+
+def test_a_rewind_with_the_wrong_cursors_is_caught():
+    store = MemoryStore()
+    _train(store, 0, {n: n for n in range(10)}, (0,))
+    seed_generation(store, ROOT, 1, 6, {0: 4})  # would train batches 4 and 5 twice
+    _train(store, 1, {n: n - 2 for n in range(6, 9)}, (0,))
+    assert verify_ledger(store, ROOT).duplicates == [(0, 4), (0, 5)]
+    store2 = MemoryStore()
+    _train(store2, 0, {n: n for n in range(10)}, (0,))
+    seed_generation(store2, ROOT, 1, 6, {0: 8})  # would skip batches 6 and 7
+    _train(store2, 1, {n: n + 2 for n in range(6, 9)}, (0,))
+    assert verify_ledger(store2, ROOT).gaps == [(0, 6), (0, 7)]
+
+
+def test_an_abandoned_rewind_to_a_later_step_is_itself_superseded():
+    store = MemoryStore()
+    _train(store, 0, {n: n for n in range(10)}, (0,))
+    seed_generation(store, ROOT, 1, 8, {0: 8})          # rewind to a live state at 8 ...
+    _train(store, 1, {8: 8}, (0,))                      # ... one step, then everyone died again
+    seed_generation(store, ROOT, 2, 5, {0: 5})          # rewind to the checkpoint at 5
+    _train(store, 2, {n: n for n in range(5, 11)}, (0,))
+    rep = verify_ledger(store, ROOT)
+    assert rep.ok and rep.trained[0] == list(range(11)) and rep.superseded == 6
+
+
+def test_resume_base_counts_from_the_checkpoint_cursors():
+    store = MemoryStore()
+    seed_generation(store, ROOT, 0, 20, {0: 20, 1: 19})
+    _train(store, 0, {20: 20}, (0,))
+    record_commit(store, ROOT, 21, 0, 0, 21, {0: 21, 1: 19})
+    rep = verify_ledger(store, ROOT)
+    assert rep.ok and rep.trained == {0: [20, 21], 1: [19]}
+    assert read_cursors(store, ROOT, (0, 1)) == {0: 22, 1: 20}
+
+
+def test_fenced_record_is_refused_after_eviction():
+    store = MemoryStore()
+    store.put(ROOT + "members/0", b"r")
+    fence = {ROOT + "members/0": store.get(ROOT + "members/0").create_revision, ROOT + "evict/0/0": 0}
+    assert record_commit(store, ROOT, 0, 0, 0, 0, {0: 0}, fence=fence)
+    store.put(ROOT + "evict/0/0", b"dead")
+    assert not record_commit(store, ROOT, 1, 0, 0, 1, {0: 1}, fence=fence)
+    assert read_cursor(store, ROOT, 0) == 1 and not recorded(store, ROOT, 0, 1) and recorded(store, ROOT, 0, 0)

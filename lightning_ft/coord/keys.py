@@ -1,0 +1,98 @@
+"""Every etcd key of a job, in one place (docs/ARCHITECTURE.md, "Keyspace").
+
+A job's keys live under `root = {prefix}/{job}/`. Nothing else formats a key string; the
+launcher, the coordinator, the replica manager, the ledger and the tests all call these.
+
+    config                         job fingerprint (create-if-absent by the first leader)
+    members/{rid}                  a leader's Report, bound to its lease
+    evict/{rid}/{inc}              a failure, written by a supervisor or a leader
+    left/{rid}/{inc}               a clean exit (so the supervisor does not call it a hang)
+    quorum/{round:012d}            the decided Quorum of a round (or a halt record)
+    commits/{gen:04d}/{step:012d}/{rid}   the exactly-once ledger
+    cursor/{gen:04d}/{slot}        next batch of a slot in history generation gen
+    rewinds/{gen:04d}              how generation gen began: {from, to, checkpoint, cursors}
+    ckpt/latest, ckpt/{step:012d}  published persistent checkpoints
+    finished                       the job trained to completion
+    halt                           the job stopped on an error every replica must obey
+"""
+from __future__ import annotations
+
+
+def root(prefix: str, job: str) -> str:
+    return f"{prefix.rstrip('/')}/{job}/"
+
+
+def config(root: str) -> str:
+    return f"{root}config"
+
+
+def members(root: str, rid: int | None = None) -> str:
+    return f"{root}members/" + ("" if rid is None else str(rid))
+
+
+def evict(root: str, rid: int | None = None, inc: int | None = None) -> str:
+    if rid is None:
+        return f"{root}evict/"
+    return f"{root}evict/{rid}/" + ("" if inc is None else str(inc))
+
+
+def left(root: str, rid: int, inc: int) -> str:
+    return f"{root}left/{rid}/{inc}"
+
+
+def quorum(root: str, round: int | None = None) -> str:
+    return f"{root}quorum/" + ("" if round is None else f"{round:012d}")
+
+
+def round_of(key: str) -> int:
+    """The round number of a `quorum/` key."""
+    return int(key.rsplit("/", 1)[1])
+
+
+def commits(root: str, gen: int | None = None, step: int | None = None) -> str:
+    """Prefix of the ledger, of one generation, or of one step of one generation."""
+    out = f"{root}commits/"
+    if gen is not None:
+        out += f"{gen:04d}/"
+        if step is not None:
+            out += f"{step:012d}/"
+    return out
+
+
+def commit(root: str, gen: int, step: int, rid: int) -> str:
+    return f"{commits(root, gen, step)}{rid}"
+
+
+def parse_commit(root: str, key: str) -> tuple[int, int, int]:
+    """(gen, step, rid) of a `commits/` key."""
+    gen, step, rid = key[len(commits(root)):].split("/")
+    return int(gen), int(step), int(rid)
+
+
+def cursor(root: str, slot: int, gen: int = 0) -> str:
+    return f"{root}cursor/{gen:04d}/{slot}"
+
+
+def rewinds(root: str, gen: int | None = None) -> str:
+    return f"{root}rewinds/" + ("" if gen is None else f"{gen:04d}")
+
+
+def ckpt_latest(root: str) -> str:
+    return f"{root}ckpt/latest"
+
+
+def ckpts(root: str) -> str:
+    """Prefix of the published checkpoints (`ckpt/{step}`; `ckpt/latest` is not under it)."""
+    return f"{root}ckpt/steps/"
+
+
+def ckpt(root: str, step: int) -> str:
+    return f"{ckpts(root)}{step:012d}"
+
+
+def finished(root: str) -> str:
+    return f"{root}finished"
+
+
+def halt(root: str) -> str:
+    return f"{root}halt"
