@@ -48,7 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hang-at", type=int, default=-1, help="SIGSTOP self before this step (incarnation 0)")
     p.add_argument("--fail-commit-at", type=int, default=-1,
                    help="vote 'failed' after exchanging this step (incarnation 0): a partial completion")
-    p.add_argument("--failures", default="", help="injections 'REPLICA@STEP:KIND,...' (kill, hang, exception)")
+    p.add_argument("--failures", default="", help="injections 'REPLICA@STEP:KIND,...' (kill, hang, exception, corrupt)")
     p.add_argument("--ttl", type=float, default=3.0)
     p.add_argument("--ftar-timeout", type=float, default=5.0)
     p.add_argument("--init-timeout", type=float, default=10.0)
@@ -70,10 +70,14 @@ def parse_failures(spec: str, replicas: int):
     return FailureSchedule(events, replicas=replicas)
 
 
-def inject(kind: str, rid: int, step: int) -> None:
+def inject(kind: str, rid: int, step: int, model: nn.Module) -> None:
     """Fail this process as the schedule says; the supervisor sees it and restarts the replica."""
     emit(event="inject", kind=kind, rid=rid, step=step)
-    if kind == "kill":
+    if kind == "corrupt":  # silent data corruption: training goes on; the divergence guard must catch it
+        from lightning_ft.replica.state import flip_bit
+
+        flip_bit(model)
+    elif kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # no progress, no keepalive: the lease lapses
@@ -135,6 +139,9 @@ def reference(a: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     a = parse(argv)
+    import logging
+
+    logging.basicConfig(level=os.environ.get("LFT_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     if a.reference:
         return reference(a)
     from lightning_ft.replica.manager import ReplicaManager
@@ -162,7 +169,8 @@ def main(argv: list[str]) -> int:
     mgr = ReplicaManager(model, opt, job=env["LFT_JOB"], rid=rid, incarnation=inc, num_replicas=R,
                          secret=env.get("LFT_SECRET", "lft"), etcd=env["LFT_ETCD"], rank=rank, world=world, pg=pg,
                          lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
-                         lr_intervention=a.lr_mode, chunk_bytes=1 << 20, num_chunks=4)
+                         lr_intervention=a.lr_mode, chunk_bytes=1 << 20, num_chunks=4, digest_every=a.digest_every,
+                         run_dir=env.get("LFT_RUN_DIR", ""))
     mgr.start()
     schedule = parse_failures(a.failures, R)
     if env.get("LFT_CONFIG"):  # launched by `lightning-ft run`: failures come from the job config
@@ -174,49 +182,66 @@ def main(argv: list[str]) -> int:
     leader = rank == 0
     if leader:
         emit(event="started", rid=rid, inc=inc, cursor=mgr.cursor)
-    last_t = time.perf_counter()
+    box = {"last_t": time.perf_counter(), "loss": None}
+
+    def row(event: str, plan) -> None:
+        """One JSON line per round that committed (or failed to), printed by the leader."""
+        if not leader:
+            return
+        now = time.perf_counter()
+        q, st = plan.quorum, mgr.stats
+        out = dict(event=event, rid=rid, inc=inc, step=plan.step, loss=box["loss"] if plan.contribute else None,
+                   epoch=q.epoch, round=q.round, members=list(q.members), contributors=list(q.contributors),
+                   lagging=list(q.lagging), lr_factor=plan.lr_factor, batch=plan.batch_index, lag=plan.lagging,
+                   role=plan.role, dt=now - box["last_t"], quorum_ms=st.quorum_s * 1e3,
+                   reconf_ms=st.reconfigure_s * 1e3, exchange_ms=st.exchange_s * 1e3, catchup_ms=st.catchup_s * 1e3,
+                   catchup_gbps=st.catchup_gbps, state_mb=st.catchup_mb, freeze_ms=st.freeze_s * 1e3)
+        if a.digest_every and event == "step" and mgr.step % a.digest_every == 0:
+            out["digest"] = state_digest(model, opt)
+        emit(**out)
+        box["last_t"] = now
+
+    mgr.on_commit = lambda plan: row("step", plan)
+    mgr.on_retry = lambda plan: row("retry", plan)
+    exchange = mgr.exchange
+
+    def failing_exchange(plan, **kw):  # --fail-commit-at: a partial completion, this replica votes "failed"
+        vote = exchange(plan, **kw)
+        if inc == 0 and plan.step == a.fail_commit_at and plan.contribute:
+            a.fail_commit_at = -1
+            return False
+        return vote
+
+    mgr.exchange = failing_exchange
+
+    def compute(plan) -> None:
+        ids = stream.batch(rid, plan.batch_index)[rank::world]
+        x, y = data.get(ids)
+        loss_t = nn.functional.mse_loss(model(x), y)
+        loss_t.backward()
+        box["loss"] = loss_t.item()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+        if inc == 0 and plan.step == a.kill_in_exchange_at:
+            threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
     try:
+        done = mgr.finished_step()
+        if done is not None:  # restarted after the job finished: nothing to train
+            if leader:
+                emit(event="finished_already", rid=rid, inc=inc, step=done)
+            return 0
+        mgr.prepare()
         while mgr.step < a.steps:
             due = schedule.due(rid, mgr.step, inc)
             if due is not None:
-                inject(due.kind, rid, mgr.step)
+                inject(due.kind, rid, mgr.step, model)
             if inc == 0 and mgr.step == a.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if inc == 0 and mgr.step == a.hang_at and leader:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
-            plan = mgr.start_step()
-            loss = None
-            if plan.contribute:
-                ids = stream.batch(rid, plan.batch_index)[rank::world]
-                x, y = data.get(ids)
-                loss_t = nn.functional.mse_loss(model(x), y)
-                loss_t.backward()
-                loss = loss_t.item()
-                if a.step_sleep:
-                    time.sleep(a.step_sleep)
-            if inc == 0 and plan.step == a.kill_in_exchange_at:
-                threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
-            vote = mgr.exchange(plan)
-            if inc == 0 and plan.step == a.fail_commit_at:
-                a.fail_commit_at = -1
-                vote = False
-            committed = mgr.commit(vote)
-            if leader:
-                now = time.perf_counter()
-                q = plan.quorum
-                st = mgr.stats
-                row = dict(event="step" if committed else "retry", rid=rid, inc=inc, step=plan.step, loss=loss,
-                           epoch=q.epoch, round=q.round, members=list(q.members), contributors=list(q.contributors),
-                           lagging=list(q.lagging), lr_factor=plan.lr_factor, batch=plan.batch_index,
-                           lag=plan.lagging, dt=now - last_t, quorum_ms=st.quorum_s * 1e3,
-                           reconf_ms=st.reconfigure_s * 1e3, exchange_ms=st.exchange_s * 1e3,
-                           catchup_ms=st.catchup_s * 1e3, catchup_gbps=st.catchup_gbps,
-                           state_mb=st.catchup_mb, freeze_ms=st.freeze_s * 1e3)
-                if a.digest_every and committed and (mgr.step % a.digest_every == 0):
-                    row["digest"] = state_digest(model, opt)
-                emit(**row)
-                last_t = now
+            mgr.run_step(compute)
         digests = mgr._gather(state_digest(model, opt))
         if leader:
             emit(event="final", rid=rid, inc=inc, step=mgr.step, digest=digests)

@@ -34,8 +34,9 @@ LR_INTERVENTIONS = ("none", "linear", "sqrt")
 """How the learning rate follows the fraction x = contributors / R of healthy replicas (DESIGN §5)."""
 TRANSPORTS = ("tcp", "rdma")
 """FTAR transports (DESIGN §4)."""
-FAILURE_KINDS = ("kill", "hang", "exception")
-"""Injected failures: SIGKILL the replica, stop making progress, or raise inside the training step."""
+FAILURE_KINDS = ("kill", "hang", "exception", "corrupt")
+"""Injected failures: SIGKILL the replica, stop making progress, raise inside the training step,
+or flip a bit in one parameter (silent data corruption: the divergence guard must catch it)."""
 
 _OVERRIDE_RE = re.compile(r"^[A-Za-z_][\w.]*=")
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -102,8 +103,38 @@ class FTARConfig:
     """Deadline for connecting and handshaking with a new ring neighbour after a reconfigure."""
     num_programs: int = 2
     """Triton grid size (persistent programs) of the reduce/copy kernels on GPU."""
-    bind_host: str = "127.0.0.1"
-    """Address the FTAR listener binds to and advertises to peers; use a routable one across nodes."""
+
+
+@dataclass
+class NetworkConfig:
+    """Addresses of every listener of a replica: FTAR and the catch-up state server."""
+
+    bind_host: str = "0.0.0.0"
+    """Address the listeners bind to; "0.0.0.0" = all interfaces."""
+    advertise_host: str = ""
+    """Address published to the other replicas; "" = the bind host if it names one interface,
+    else the address of the interface that routes to etcd. Loopback is refused when etcd is
+    on another host."""
+
+
+@dataclass
+class ConsistencyConfig:
+    """The divergence guard: replicas compare state digests (docs/ARCHITECTURE.md)."""
+
+    every_n_steps: int = 10
+    """Digest parameters and optimizer state every this many committed steps (and at every
+    checkpoint step); 0 = never. A digest reads the state once (about 10 GB/s on one core):
+    10 keeps it under 1% of a step for models whose step time is dominated by compute
+    (lightning_ft.bench.digest measures it)."""
+
+
+@dataclass
+class SupervisorConfig:
+    """What `lightning-ft run` does with failed replicas."""
+
+    crash_loop: int = 3
+    """A replica that fails this many times in a row before committing any step, with the same
+    exit code, is not restarted again (its log tail is printed)."""
 
 
 @dataclass
@@ -174,6 +205,12 @@ class FTConfig:
     """Quorum formation."""
     ftar: FTARConfig = field(default_factory=FTARConfig)
     """Cross-replica fault-tolerant all-reduce."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """Listener addresses (FTAR, catch-up)."""
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    """The divergence guard."""
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    """Restart policy of the launcher."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Persistent checkpoints."""
     failure: FailureConfig = field(default_factory=FailureConfig)
@@ -257,6 +294,8 @@ def fingerprint(cfg: Any) -> dict[str, Any]:
         "nproc_per_replica": int(cfg.nproc_per_replica),
         "min_replicas": int(cfg.min_replicas),
         "bucket_bytes": int(cfg.ftar.bucket_bytes),
+        "digest_every": int(cfg.consistency.every_n_steps),
+        "checkpoint_every": int(cfg.checkpoint.every_n_steps),
     }
 
 
@@ -318,8 +357,10 @@ def validate(cfg: Any) -> None:
     at_least("ftar.timeout_s", f.timeout_s, 0, strict=True)
     at_least("ftar.connect_timeout_s", f.connect_timeout_s, 0, strict=True)
     at_least("ftar.num_programs", f.num_programs, 1)
-    if not f.bind_host:
-        bad("ftar.bind_host", f.bind_host, "must be a host name or address")
+    if not cfg.network.bind_host:
+        bad("network.bind_host", cfg.network.bind_host, 'must be a host name or address ("0.0.0.0": all)')
+    at_least("consistency.every_n_steps", cfg.consistency.every_n_steps, 0)
+    at_least("supervisor.crash_loop", cfg.supervisor.crash_loop, 1)
 
     at_least("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, 0)
     at_least("checkpoint.keep", cfg.checkpoint.keep, 1)

@@ -1,9 +1,11 @@
-"""`FailureInjector`: make this replica fail on schedule (kill, exception or hang).
+"""`FailureInjector`: make this replica fail on schedule (kill, exception, hang or corrupt).
 
 The schedule is the job's `failure` config (explicit events and/or random ones by MTBF, in
 steps), shared by every replica; the launcher restarts a failed replica after its delay, or
 after `downtime_steps` of the others' progress. The k-th injection of a replica fires in
-its k-th incarnation, when its committed step reaches the injection's step."""
+its k-th incarnation, when its committed step reaches the injection's step. `corrupt` flips
+a bit of one parameter and training goes on (the divergence guard must catch it); the
+replica keeps its incarnation, so its later injections do not fire."""
 from __future__ import annotations
 
 import os
@@ -47,6 +49,12 @@ class FailureInjector(Callback):
                   file=sys.stderr, flush=True)
         if inj.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif inj.kind == "corrupt":
+            if rank == 0:
+                from lightning_ft.replica.state import flip_bit
+
+                name = flip_bit(pl_module)
+                print(f"lightning-ft: flipped a bit of {name} in replica {inj.replica}", file=sys.stderr, flush=True)
         elif inj.kind == "hang":
             if rank == 0:  # the leader stops: no progress, no keepalive; the others block on it
                 os.kill(os.getpid(), signal.SIGSTOP)

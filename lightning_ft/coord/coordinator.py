@@ -22,9 +22,10 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from .quorum import Decision, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff
+from . import keys
+from .quorum import Decision, History, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff
 from .store import Event, LeaseExpired, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class QuorumTimeout(TimeoutError):
     """No quorum formed within the deadline; the message carries the last reason."""
 
 
+class JobHalted(RuntimeError):
+    """The job must stop: a decision every replica obeys (replica states diverged with no
+    majority). The message says why and what to do."""
+
+
 class Coordinator:
     """One per replica leader. Thread-safe where it says so; otherwise call from one thread."""
 
@@ -52,6 +58,7 @@ class Coordinator:
                  prefix: str = "/lft", lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0,
                  poll_interval_s: float = 0.05,
                  on_failure: Optional[Callable[[int, str], None]] = None,
+                 on_event: Optional[Callable[..., None]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.job = job
@@ -62,8 +69,13 @@ class Coordinator:
         self.hang_timeout_s = hang_timeout_s
         self.poll_interval_s = poll_interval_s
         self.on_failure = on_failure
+        self.on_event = on_event
+        """Called by the deciding leader as on_event(name, **fields) for rewind, diverged, halt
+        and exclusion decisions (the manager appends them to events.jsonl)."""
         self._clock = clock
-        self._root = f"{prefix.rstrip('/')}/{job}/"
+        self._root = keys.root(prefix, job)
+        self._member_created = 0
+        """Create revision of our members/ key: the fence of our ledger writes."""
         self._lease = 0
         self._lease_lost = threading.Event()
         self._report: Optional[Report] = None
@@ -83,38 +95,45 @@ class Coordinator:
         self._slow_poll_s = max(poll_interval_s * 5, 0.25)
         self._fallback_s = 2.0 * lease_ttl_s
 
-    # -- keys -----------------------------------------------------------------------------------
-    def key(self, *parts: object) -> str:
-        return self._root + "/".join(str(p) for p in parts)
+    @property
+    def root(self) -> str:
+        return self._root
 
     def _round_key(self, round: int) -> str:
-        return self.key("quorum", f"{round:012d}")
+        return keys.quorum(self._root, round)
+
+    def fence(self) -> dict[str, int]:
+        """The ledger fence ({key: create revision}): our member key is the one we created,
+        and this incarnation is not evicted."""
+        return {keys.members(self._root, self.rid): self._member_created,
+                keys.evict(self._root, self.rid, self.incarnation): 0}
 
     # -- registration -----------------------------------------------------------------------------
-    def register(self, step: int, addrs: Sequence[str] = (), state_addrs: Sequence[str] = ()) -> None:
+    def register(self, step: int, addrs: Sequence[str] = (), state_addrs: Sequence[str] = (), **state: Any) -> None:
         """Check the job config, take a lease, publish our member report and start the
-        keepalive thread and the failure watches. Do slow initialization *before* this."""
+        keepalive thread and the failure watches. Do slow initialization *before* this.
+        `state`: Report fields describing our state (gen, synced, cursor, ...)."""
         self._check_config()
-        if self.store.get(self.key("evict", self.rid, self.incarnation)) is not None:
+        self._check_halt()
+        if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was already evicted; "
                           "restart it with a new incarnation")
-        decided, _ = self.store.get_prefix(self.key("quorum") + "/")
-        self._next_round = (int(decided[-1].key.rsplit("/", 1)[1]) + 1) if decided else 0
+        self._next_round = self._latest_round() + 1
         self._report = Report(self.rid, self.incarnation, step, self._next_round,
-                              dict(self.spec.fingerprint), tuple(addrs), tuple(state_addrs))
+                              dict(self.spec.fingerprint), tuple(addrs), tuple(state_addrs), **state)
         self._grant_and_publish()
-        self._cancel_watches.append(self.store.watch_prefix(self.key("evict") + "/", self._on_event))
-        self._cancel_watches.append(self.store.watch_prefix(self.key("members") + "/", self._on_event))
-        self._cancel_watches.append(self.store.watch_prefix(self.key("quorum") + "/", self._on_event))
+        self._cancel_watches.append(self.store.watch_prefix(keys.evict(self._root), self._on_event))
+        self._cancel_watches.append(self.store.watch_prefix(keys.members(self._root), self._on_event))
+        self._cancel_watches.append(self.store.watch_prefix(keys.quorum(self._root), self._on_event))
         self._keepalive = threading.Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
         self._keepalive.start()
 
     def _check_config(self) -> None:
         mine = dict(self.spec.fingerprint)
         raw = json.dumps(mine, sort_keys=True).encode()
-        if self.store.create(self.key("config"), raw):
+        if self.store.create(keys.config(self._root), raw):
             return
-        kv = self.store.get(self.key("config"))
+        kv = self.store.get(keys.config(self._root))
         job_fp = json.loads(kv.value) if kv else {}
         diff = fingerprint_diff(job_fp, mine)
         if diff:
@@ -122,10 +141,18 @@ class Coordinator:
                 f"replica {self.rid} (incarnation {self.incarnation}) refused: job config differs in {diff}. "
                 f"Use the job's settings, or a new job id to start a different job.")
 
+    def _check_halt(self) -> None:
+        kv = self.store.get(keys.halt(self._root))
+        if kv is not None:
+            raise JobHalted(json.loads(kv.value)["reason"])
+
     def _grant_and_publish(self) -> None:
         self._lease = self.store.lease_grant(self.lease_ttl_s)
         self._lease_lost.clear()
-        self.store.put(self.key("members", self.rid), self._report.to_json(), lease=self._lease)
+        key = keys.members(self._root, self.rid)
+        self.store.put(key, self._report.to_json(), lease=self._lease)
+        kv = self.store.get(key)
+        self._member_created = kv.create_revision if kv is not None else 0
 
     def _keepalive_loop(self) -> None:
         period = max(self.lease_ttl_s / 3.0, 0.05)
@@ -178,7 +205,7 @@ class Coordinator:
 
     def evict(self, rid: int, incarnation: int, reason: str) -> None:
         """Declare (rid, incarnation) dead, effective for everyone at once."""
-        self.store.put(self.key("evict", rid, incarnation), reason.encode())
+        self.store.put(keys.evict(self._root, rid, incarnation), reason.encode())
 
     # -- the quorum of a round ------------------------------------------------------------------
     @property
@@ -186,14 +213,21 @@ class Coordinator:
         return self._current
 
     def quorum(self, step: int, timeout_s: Optional[float] = None, cursor: Optional[int] = None,
-               ring_ok: bool = True) -> Quorum:
+               ring_ok: bool = True, **state: Any) -> Quorum:
         """Report `step` for our next round and return the round's quorum, which includes us.
+        `state`: Report fields describing our state (gen, synced, digest, digest_step, blame,
+        bad_checkpoints); fields not given keep their last value, except that a digest is
+        reported once.
 
         Blocks until the round is decided, moving to later rounds while we are left out.
-        Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted."""
+        Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted,
+        JobHalted if the job was stopped."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
+        state.setdefault("digest", "")
+        state.setdefault("digest_step", -1)
+        state.setdefault("blame", ())
         self._report = replace(self._report, ring_ok=ring_ok,
-                               cursor=self._report.cursor if cursor is None else cursor)
+                               cursor=self._report.cursor if cursor is None else cursor, **state)
         self._publish(step, self._next_round)
         started = last_get = self._clock()
         first = True
@@ -212,19 +246,22 @@ class Coordinator:
             if raw is None and self._is_decider(now - started):
                 decision = self._evaluate(round, now - started)
                 self._log_reason(decision.reason)
-                if decision.quorum is not None:
-                    raw = decision.quorum.to_json()
+                if decision.quorum is not None or decision.halt:
+                    raw = decision.quorum.to_json() if decision.quorum is not None else json.dumps(
+                        {"halt": decision.halt, "round": round}).encode()
                     if self.store.create(self._round_key(round), raw):
-                        self._prune(round)
+                        self._decided(round, decision)
                     else:  # someone else decided first: theirs stands
                         raw = self.store.get(self._round_key(round)).value
             if raw is not None:
+                if raw.startswith(b'{"halt"'):
+                    raise JobHalted(json.loads(raw)["halt"])
                 q = Quorum.from_json(raw)
                 if (self.rid, self.incarnation) in q.member_set():
                     self._adopt(q)
                     return q
                 # Left out: evicted (exit), or we reported too late (try the next round).
-                if self.store.get(self.key("evict", self.rid, self.incarnation)) is not None:
+                if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
                     raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted; exiting so "
                                   "the supervisor restarts it")
                 self._publish(step, max(round, self._latest_round()) + 1)
@@ -259,13 +296,13 @@ class Coordinator:
     def _publish(self, step: int, round: int) -> None:
         self._report = replace(self._report, step=step, round=round)
         try:
-            self.store.put(self.key("members", self.rid), self._report.to_json(), lease=self._lease)
+            self.store.put(keys.members(self._root, self.rid), self._report.to_json(), lease=self._lease)
         except LeaseExpired:
             self._recover_lease()
 
     def _recover_lease(self) -> None:
         """Our lease lapsed (we hung, or etcd lost it). Come back as a joiner unless evicted."""
-        if self.store.get(self.key("evict", self.rid, self.incarnation)) is not None:
+        if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted while its lease lapsed; "
                           "exiting so the supervisor restarts it")
         log.warning("replica %d: lease lapsed; re-registering as a joiner", self.rid)
@@ -274,16 +311,17 @@ class Coordinator:
 
     def latest_quorum(self) -> Optional[Quorum]:
         """The newest decided quorum in the store (any leader's), or None before the first."""
-        kvs, _ = self.store.get_prefix(self.key("quorum") + "/")
+        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
+        kvs = [kv for kv in kvs if not kv.value.startswith(b'{"halt"')]
         return Quorum.from_json(kvs[-1].value) if kvs else None
 
     def _latest_round(self) -> int:
-        kvs, _ = self.store.get_prefix(self.key("quorum") + "/")
-        return int(kvs[-1].key.rsplit("/", 1)[1]) if kvs else -1
+        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
+        return keys.round_of(kvs[-1].key) if kvs else -1
 
     def _evaluate(self, round: int, waited_s: float) -> Decision:
-        members, rev = self.store.get_prefix(self.key("members") + "/")
-        evicts, _ = self.store.get_prefix(self.key("evict") + "/", revision=rev)
+        members, rev = self.store.get_prefix(keys.members(self._root))
+        evicts, _ = self.store.get_prefix(keys.evict(self._root), revision=rev)
         reports = {}
         for kv in members:
             rep = Report.from_json(kv.value)
@@ -293,13 +331,52 @@ class Coordinator:
             _, rid, inc = kv.key[len(self._root):].split("/")
             evicted.add((int(rid), int(inc)))
         prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
-        previous = Quorum.from_json(prev_kv.value) if prev_kv else None
-        return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s)
+        previous = Quorum.from_json(prev_kv.value) if prev_kv and not prev_kv.value.startswith(b'{"halt"') else None
+        return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
+                              self._history(reports, previous))
 
-    def _prune(self, round: int) -> None:
+    def _history(self, reports: dict[int, Report], previous: Optional[Quorum]) -> History:
+        """The job's newest committed step, read only when nobody reports past the previous
+        round's step (otherwise nothing can have been lost), and the published checkpoints."""
+        from lightning_ft.replica.data import recorded
+
+        if previous is None:
+            return History(0)
+        top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)
+        if top > previous.max_step:
+            return History(top)
+        h = previous.max_step + (1 if recorded(self.store, self._root, previous.gen, previous.max_step) else 0)
+        kvs, _ = self.store.get_prefix(keys.ckpts(self._root))
+        ckpts = tuple((int(d["step"]), str(d["path"])) for d in (json.loads(kv.value) for kv in kvs))
+        return History(h, ckpts)
+
+    def _decided(self, round: int, decision: Decision) -> None:
+        """We wrote the round's decision: prune old rounds and announce what it did."""
         old = round - KEEP_ROUNDS
         if old >= 0:
             self.store.delete(self._round_key(old))
+        q = decision.quorum
+        if decision.halt:
+            self.store.put(keys.halt(self._root), json.dumps({"reason": decision.halt, "round": round}).encode())
+            self._emit("halt", round=round, reason=decision.halt)
+            return
+        for rid, (mine, majority) in decision.diverged.items():
+            self._emit("diverged", replica=rid, step=q.max_step, digest=mine, majority=majority, round=round)
+        if q.rewind is not None:
+            self._emit("rewind", round=round, gen=q.gen, source=q.source, **{k: v for k, v in q.rewind.items()})
+        prev_q = {r for r, _, _ in (self._current.quarantine if self._current else ())}
+        for rid, until, k in q.quarantine:
+            if rid not in prev_q or (self._current and rid in self._current.members and rid not in q.members):
+                self._emit("excluded", replica=rid, until_round=until, exclusions=k, round=round,
+                           reason="partition: repeated ring failures")
+
+    def _emit(self, name: str, **fields: Any) -> None:
+        log.warning("replica %d decided: %s %s", self.rid, name, fields)
+        if self.on_event is not None:
+            try:
+                self.on_event(name, **fields)
+            except Exception as e:  # an event log must never stop training
+                log.warning("could not record event %s: %s", name, e)
 
     def _log_reason(self, reason: str) -> None:
         if reason != self._last_reason:
@@ -322,7 +399,7 @@ class Coordinator:
         if revoke and self._lease:
             try:
                 # Tell the supervisor this is a clean exit, not a hang, then leave at once.
-                self.store.put(self.key("left", self.rid, self.incarnation), b"clean exit")
+                self.store.put(keys.left(self._root, self.rid, self.incarnation), b"clean exit")
                 self.store.lease_revoke(self._lease)
             except StoreError:
                 pass

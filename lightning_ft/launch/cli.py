@@ -125,7 +125,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
                          run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
                          max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
-                         checkpoint_root=checkpoint_dir(cfg),
+                         checkpoint_root=checkpoint_dir(cfg), crash_loop=cfg.supervisor.crash_loop,
+                         min_replicas=cfg.min_replicas,
                          env={"LFT_CONFIG": config_path, **({"LFT_RESUME": os.path.abspath(resume_from)}
                                                             if resume_from else {})})
         sup.start()
@@ -183,6 +184,10 @@ def _run_with_status(sup, timeout_s) -> int:
 
 
 def _print_summary(sup, rc: int) -> None:
+    if sup.halted:
+        print(f"lightning-ft run: the job halted: {sup.halted}", flush=True)
+    if sup.stopped:
+        print(f"lightning-ft run: {sup.stopped}", flush=True)
     for st in sup.status():
         print(f"replica {st['rid']}: {st['state']}, incarnation {st['incarnation']}, "
               f"restarts {st.get('restarts', 0)}, step {st.get('step', '?')}")

@@ -45,6 +45,10 @@ EXIT_TIMEOUT = 124
 """run() returns this when `timeout_s` passed (as timeout(1) does)."""
 EXIT_GAVE_UP = 1
 """run() returns this when every replica stopped and at least one was given up on."""
+EXIT_HALTED = 3
+"""A replica exits with this, and run() returns it, when the job halted (lightning_ft.coord.keys.halt)."""
+HALT_GRACE_S = 10.0
+"""After a halt, replicas still running this long (they learn it at their next round) are stopped."""
 
 
 @dataclass
@@ -84,6 +88,13 @@ class _Replica:
     restart_step: Optional[int] = None
     """Restart once the job's step reaches this (downtime-based restart)."""
     failed_at: float = 0.0
+    first_step: Optional[int] = None
+    """The step its leader first reported in this incarnation."""
+    progressed: bool = False
+    """This incarnation committed something (its reported step grew)."""
+    crash_code: Optional[int] = None
+    """Exit code of the last failure that came before any commit (crash-loop detection)."""
+    crash_streak: int = 0
 
     @property
     def rid(self) -> int:
@@ -97,13 +108,18 @@ class Supervisor:
                  run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 1.0,
                  max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
-                 hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "") -> None:
+                 hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
+                 crash_loop: int = 3, min_replicas: int = 1) -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
         `restart`: "replica" (FT-HSDP: only the failed replica restarts and catches up) or "world"
         (the baseline, like torchrun elastic: any failure stops every replica, and all restart
-        from the newest valid checkpoint under `checkpoint_root`, or from scratch)."""
+        from the newest valid checkpoint under `checkpoint_root`, or from scratch).
+
+        `crash_loop`: a replica that exits with the same non-zero code this many times in a row
+        without committing a step is not restarted (its log tail is printed); if fewer than
+        `min_replicas` are left, the job stops."""
         if restart not in ("replica", "world"):
             raise ValueError(f"restart={restart!r} must be 'replica' or 'world'")
         self.restart_mode = restart
@@ -123,6 +139,13 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.hang_check = hang_check
         self.hang_grace_s = hang_grace_s
+        self.crash_loop = crash_loop
+        self.min_replicas = min_replicas
+        self.halted = ""
+        """Why the job halted (from etcd), or ""."""
+        self.stopped = ""
+        """Why the supervisor stopped the job itself (too few replicas left), or ""."""
+        self._halted_at = 0.0
         self._secret = secret
         self._extra_env = dict(env or {})
         self._root = f"{prefix.rstrip('/')}/{job}/"
@@ -186,6 +209,8 @@ class Supervisor:
                     return 128 + self._signalled
                 states = {rep.state for rep in self._replicas.values()}
                 if states <= {"done", "failed", "stopped"}:
+                    if self.halted:
+                        return EXIT_HALTED
                     return 0 if states == {"done"} else EXIT_GAVE_UP
                 if until is not None and until():
                     return 0
@@ -270,6 +295,7 @@ class Supervisor:
         rep.member_seen = False
         rep.missing_since = None
         rep.restart_step = None
+        rep.first_step, rep.progressed = None, False
         if rep.incarnation == 0:
             self._event(rep, "start", **details)
         else:
@@ -301,8 +327,11 @@ class Supervisor:
         if bad:
             rank, code = bad[0]
             self._event(rep, "exit", rank=rank, code=code, pid=rep.procs[rank].pid)
+            if code == EXIT_HALTED or self._read_halt():
+                self._on_halt(rep)
+                return
             reason = f"rank {rank} exited with {code}"
-            self._fail(rep, reason + (f" ({rep.kill_reason})" if rep.kill_reason else ""))
+            self._fail(rep, reason + (f" ({rep.kill_reason})" if rep.kill_reason else ""), code=code, rank=rank)
             return
         for rank, code in enumerate(codes):
             if code == 0 and rank not in rep.logged_exits:
@@ -326,6 +355,10 @@ class Supervisor:
             if mine is not None and mine.get("incarnation") == rep.incarnation:
                 rep.member_seen, rep.missing_since = True, None
                 rep.step = mine.get("step", rep.step)
+                if rep.first_step is None:
+                    rep.first_step = rep.step
+                elif rep.step is not None and rep.step > rep.first_step:
+                    rep.progressed = True
             elif rep.member_seen and rep.missing_since is None:
                 rep.missing_since = now
             elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
@@ -344,7 +377,56 @@ class Supervisor:
         except Exception:
             return False
 
-    def _fail(self, rep: _Replica, reason: str) -> None:
+    # -- halts, crash loops, the end of the job -----------------------------------------------------
+    def _read_halt(self) -> str:
+        try:
+            kv = self._store.get(f"{self._root}halt")
+        except StoreError:
+            return ""
+        return json.loads(kv.value).get("reason", "halted") if kv is not None else ""
+
+    def _on_halt(self, rep: _Replica) -> None:
+        """The job halted: this replica is done for good, and nobody is restarted."""
+        if not self.halted:
+            self.halted = self._read_halt() or f"replica {rep.rid} exited with {EXIT_HALTED} (job halted)"
+            self._halted_at = time.monotonic()
+            log.error("lightning-ft: the job halted: %s", self.halted)
+            self._event(rep, "job_halted", reason=self.halted)
+        for p in rep.procs:
+            _signal(p, signal.SIGKILL)
+            _wait(p)
+        rep.state = "failed"
+        for other in self._replicas.values():
+            if other.state == "restarting":
+                other.state = "failed"
+
+    def _job_finished(self) -> bool:
+        try:
+            return self._store.get(f"{self._root}finished") is not None
+        except StoreError:
+            return False
+
+    def _crash_loop(self, rep: _Replica, code: Optional[int], rank: int) -> bool:
+        """Track failures before any commit; True if this one ends a crash loop."""
+        if rep.progressed or code is None or code <= 0:  # signals and hangs are not the program's fault
+            rep.crash_code, rep.crash_streak = None, 0
+            return False
+        rep.crash_streak = rep.crash_streak + 1 if rep.crash_code == code else 1
+        rep.crash_code = code
+        if rep.crash_streak < self.crash_loop:
+            return False
+        path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
+        try:
+            tail = open(path, errors="replace").read().splitlines()[-20:]
+        except OSError:
+            tail = []
+        msg = (f"replica {rep.rid} failed {rep.crash_streak} times in a row with exit code {code} before committing "
+               f"any step; not restarting it. Last lines of {path}:\n" + "\n".join("    " + t for t in tail))
+        print(f"lightning-ft: {msg}", flush=True)
+        self._event(rep, "crash_loop", code=code, streak=rep.crash_streak, log=path, tail=tail)
+        return True
+
+    def _fail(self, rep: _Replica, reason: str, code: Optional[int] = None, rank: int = 0) -> None:
         """Kill the rest of the replica, evict it at once, then schedule its restart or give up."""
         killed = [rank for rank, p in enumerate(rep.procs) if _peek(p) is None]
         for p in rep.procs:
@@ -355,6 +437,10 @@ class Supervisor:
                 self._stragglers.append(p)
         rep.failed_at = time.monotonic()
         self._event(rep, "evict", reason=reason, killed_ranks=killed)
+        if self._crash_loop(rep, code, rank):
+            rep.state = "failed"
+            self._check_min_replicas()
+            return
         if rep.restarts >= self.max_restarts:
             rep.state = "failed"
             self._event(rep, "give_up", reason=f"replica {rep.rid} failed {rep.restarts + 1} times "
@@ -368,6 +454,22 @@ class Supervisor:
         downtime = self._downtime.get(rep.rid, 0)
         if downtime > 0:
             rep.restart_step = self._job_step() + downtime
+
+    def _check_min_replicas(self) -> None:
+        """Replicas given up on: stop the job when fewer than min_replicas can still train."""
+        left = [r for r in self._replicas.values() if r.state != "failed"]
+        if len(self._replicas) < self.replicas:
+            return  # one launcher of several: the others' replicas count too, and we cannot see them
+        if len(left) < self.min_replicas:
+            self.stopped = (f"only {len(left)} replica(s) left after crash loops, fewer than min_replicas="
+                            f"{self.min_replicas}; stopping the job")
+            print(f"lightning-ft: {self.stopped}", flush=True)
+            for r in left:
+                for p in r.procs:
+                    _signal(p, signal.SIGKILL)
+                    _wait(p)
+                self._evict(r, "job stopped: too few replicas")
+                r.state = "failed"
 
     def _stop_world(self, failed: _Replica) -> None:
         """Restart-the-world baseline: stop every other running replica as well."""
@@ -418,6 +520,12 @@ class Supervisor:
 
     def _restart_due(self) -> None:
         now = time.monotonic()
+        if self.halted:
+            if now - self._halted_at > HALT_GRACE_S:  # replicas that never learned of it
+                for rep in self._replicas.values():
+                    if rep.state == "running":
+                        self._on_halt(rep)
+            return
         if self.restart_mode == "world":
             waiting = [rep for rep in self._replicas.values() if rep.state == "restarting"]
             if not waiting or any(rep.state == "running" for rep in self._replicas.values()) or \
@@ -436,6 +544,10 @@ class Supervisor:
                 if not self._downtime_over(rep):
                     continue
             elif now < rep.restart_at:
+                continue
+            if self._job_finished():  # nothing left to train: a late replica would only idle
+                rep.state = "done"
+                self._event(rep, "not_restarted", reason="the job already finished")
                 continue
             rep.incarnation += 1
             rep.restarts += 1

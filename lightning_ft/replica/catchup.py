@@ -72,6 +72,9 @@ class CatchupError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.server_version = server_version
+        self.partial = False
+        """Some tensor bytes were already written into the destination: it is no longer
+        the state it was before the fetch."""
 
     def not_yet_published(self, version: int) -> bool:
         """The server has nothing, or a version older than `version`: it may publish soon."""
@@ -374,6 +377,16 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
     host, _, port = address.rpartition(":")
     views = {n: _bytes_of(t) for n, t in into.items()}
     t0 = time.perf_counter()
+    written = [0]
+    try:
+        return _fetch(address, version, into, secret, fetcher, timeout_s, where, host, port, views, t0, written)
+    except CatchupError as e:
+        e.partial = written[0] > 0
+        raise
+
+
+def _fetch(address: str, version: int, into: dict, secret: bytes, fetcher: str, timeout_s: float, where: str,
+           host: str, port: str, views: dict, t0: float, written: list) -> tuple[dict, dict]:
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
             body = _request(sock, address, version, secret, fetcher)
@@ -383,7 +396,7 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
             if head.get("version") != version:
                 raise CatchupError(f"{where} failed: server sent version {head.get('version')}")
             _check_layout(head, into, where)
-            nbytes = _read_tensors(body, head["tensors"], views, where)
+            nbytes = _read_tensors(body, head["tensors"], views, where, written)
             if body.remaining:
                 raise CatchupError(f"{where} failed: {body.remaining} bytes past the last tensor; "
                                    f"not a lightning-ft state server of this version")
@@ -502,10 +515,13 @@ def _check_layout(head: dict, into: dict[str, torch.Tensor], where: str) -> None
                            f"(first unmatched: {extra!r}); both replicas must build the same model and sharding")
 
 
-def _read_tensors(resp: _Body, specs: list[dict], views: dict[str, torch.Tensor], where: str) -> int:
+def _read_tensors(resp: _Body, specs: list[dict], views: dict[str, torch.Tensor], where: str,
+                  written: Optional[list] = None) -> int:
     total = 0
     for spec in specs:
         if spec["nbytes"]:
+            if written is not None:
+                written[0] = total + 1  # from here on the destination is being overwritten
             _read_exact(resp, memoryview(views[spec["name"]].numpy()), where, f"tensor {spec['name']!r}")
             total += spec["nbytes"]
     return total

@@ -45,13 +45,37 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def fsync_dir(d: str) -> None:
+    """Make the directory's entries (creations, renames) durable."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _atomic_write(path: str, data: bytes) -> None:
+    """Write a file so that a crash leaves either the old one or the whole new one."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp.")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _atomic_write(path, buf.getvalue())
 
 
 def write_manifest(d: str, step: int) -> dict:
@@ -74,6 +98,9 @@ def verify(d: str) -> dict:
     naming the bad or missing file."""
     path = os.path.join(d, MANIFEST)
     if not os.path.exists(path):
+        if os.path.exists(path + ".suspect"):
+            raise CheckpointInvalid(f"{d}: set aside when the job halted on diverged replica states "
+                                    f"({MANIFEST}.suspect); it may hold the corruption")
         raise CheckpointInvalid(f"{d}: no {MANIFEST} (a partial checkpoint: its writer died or is still writing)")
     try:
         manifest = json.load(open(path))
@@ -114,16 +141,97 @@ def newest_valid(root: str, warn: Callable[[str], None] = log.warning) -> Option
     return None
 
 
-def prune(root: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` complete checkpoints (and partial ones older than them)."""
+def prune(root: str, keep: int, protect: int = -1) -> list[int]:
+    """Delete all but the newest `keep` checkpoints that *verify* (and partial or corrupted
+    ones older than them). A checkpoint is removed only once `keep` newer ones verified, and
+    the newest verified one at or below `protect` (the newest step whose replica digests
+    agreed) is never removed."""
     steps = list_steps(root)
-    complete = [s for s in steps if os.path.exists(os.path.join(step_dir(root, s), MANIFEST))]
-    if keep <= 0 or len(complete) <= keep:
+    good = []
+    for s in reversed(steps):
+        try:
+            verify(step_dir(root, s))
+            good.append(s)
+        except CheckpointInvalid:
+            continue
+        if len(good) == keep:
+            break
+    if keep <= 0 or len(good) < keep:
         return []
-    cutoff = complete[-keep]
-    gone = [s for s in steps if s < cutoff]
+    cutoff = good[-1]
+    keep_too = max((s for s in steps if s <= protect and s < cutoff and _has_manifest(root, s)), default=None)
+    gone = [s for s in steps if s < cutoff and s != keep_too]
     for s in gone:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    if gone:
+        fsync_dir(root)
+    return gone
+
+
+def _has_manifest(root: str, step: int) -> bool:
+    return os.path.exists(os.path.join(step_dir(root, step), MANIFEST))
+
+
+# -- publication in etcd, and what rewinds and halts do to checkpoints -------------------------------
+
+def publish(store: Any, root: str, step: int, path: str, gen: int) -> None:
+    """Announce a complete checkpoint: `ckpt/steps/{step}` (rewinds choose among these) and
+    `ckpt/latest`."""
+    from lightning_ft.coord import keys
+
+    rec = json.dumps({"step": step, "path": os.path.abspath(path), "gen": gen}).encode()
+    store.put(keys.ckpt(root, step), rec)
+    store.put(keys.ckpt_latest(root), rec)
+
+
+def unpublish_missing(store: Any, root: str, ckpt_root: str) -> None:
+    """Drop the `ckpt/steps/` keys of checkpoints pruned from disk."""
+    from lightning_ft.coord import keys
+
+    kvs, _ = store.get_prefix(keys.ckpts(root))
+    for kv in kvs:
+        step = int(json.loads(kv.value)["step"])
+        if not os.path.isdir(step_dir(ckpt_root, step)):
+            store.delete(kv.key)
+
+
+def supersede(store: Any, root: str, ckpt_root: str, to_step: int, gen: int) -> list[int]:
+    """A rewind to `to_step` started generation `gen`: checkpoints of later steps hold a
+    discarded history. Unpublish them and rename their directories out of the way
+    (`step_N.superseded-gG`), so that neither a later rewind nor `--resume` picks them."""
+    from lightning_ft.coord import keys
+
+    kvs, _ = store.get_prefix(keys.ckpts(root))
+    for kv in kvs:
+        if int(json.loads(kv.value)["step"]) > to_step:
+            store.delete(kv.key)
+    moved = []
+    for s in list_steps(ckpt_root):
+        if s > to_step:
+            d = step_dir(ckpt_root, s)
+            try:
+                os.replace(d, f"{d}.superseded-g{gen}")
+                moved.append(s)
+            except OSError as e:
+                log.warning("could not set aside superseded checkpoint %s: %s", d, e)
+    if moved:
+        fsync_dir(ckpt_root)
+    return moved
+
+
+def invalidate_after(ckpt_root: str, verified_step: int) -> list[int]:
+    """The job halted on diverged states: checkpoints newer than the last step whose digests
+    agreed may hold the corruption. Rename their manifests (`manifest.json.suspect`), so
+    `--resume` skips them and names why."""
+    gone = []
+    for s in list_steps(ckpt_root):
+        m = os.path.join(step_dir(ckpt_root, s), MANIFEST)
+        if s > verified_step and os.path.exists(m):
+            try:
+                os.replace(m, m + ".suspect")
+                gone.append(s)
+            except OSError:
+                pass  # another replica renamed it first
     return gone
 
 
@@ -143,6 +251,8 @@ class CheckpointWriter:
                  on_done: Optional[Callable[[int, str, SaveStats], None]] = None) -> None:
         self.root, self.keep, self.rank, self.pg = root, keep, rank, pg
         self.on_done = on_done
+        self.protect = -1
+        """The newest step whose replica digests agreed (pruning keeps a checkpoint at or below it)."""
         self._thread: Optional[threading.Thread] = None
         self.last: Optional[SaveStats] = None
         self.error: Optional[BaseException] = None
@@ -163,6 +273,8 @@ class CheckpointWriter:
         self.wait()  # one checkpoint in flight at a time
         t0 = time.perf_counter()
         d = step_dir(self.root, step)
+        if self.rank == 0 and os.path.isdir(d):  # a leftover (partial) checkpoint of this step
+            shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d, exist_ok=True)
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
@@ -176,13 +288,19 @@ class CheckpointWriter:
             t1 = time.perf_counter()
             try:
                 dcp.save(staged, checkpoint_id=d, process_group=self.pg, no_dist=no_dist)
+                for name in os.listdir(d):  # every rank makes its own shard durable
+                    if name.endswith(".distcp") or name == ".metadata":
+                        fsync_file(os.path.join(d, name))
+                if self.pg is not None:
+                    torch.distributed.barrier(group=self.pg)
                 if self.rank == 0:
-                    torch.save(extra, os.path.join(d, "extra.pt"))
+                    _atomic_torch_save(extra, os.path.join(d, "extra.pt"))
                     _atomic_write(os.path.join(d, "meta.json"), json.dumps(meta, indent=1, sort_keys=True).encode())
                     write_manifest(d, step)
+                    fsync_dir(self.root)
                     stats.bytes = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
                     stats.write_s = time.perf_counter() - t1
-                    prune(self.root, self.keep)
+                    prune(self.root, self.keep, self.protect)
                     if self.on_done is not None:
                         self.on_done(step, d, stats)
             except BaseException as e:  # reported, never raised into training
@@ -223,15 +341,15 @@ def load(d: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pg: A
     dcp.load(state, checkpoint_id=d, process_group=pg, no_dist=no_dist)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"meta": json.load(open(os.path.join(d, "meta.json"))),
-            "extra": torch.load(os.path.join(d, "extra.pt"), weights_only=False)}
+            "extra": torch.load(os.path.join(d, "extra.pt"), weights_only=True)}
 
 
 def seed_job(store: Any, root: str, ckpt: str) -> dict:
-    """A whole-job restart from `ckpt` in a fresh job keyspace `root`: the slot cursors are the
-    checkpoint's. Returns its meta."""
-    from lightning_ft.replica.data import advance_cursor
+    """A whole-job restart from `ckpt` in a fresh job keyspace `root`: generation 0 starts at
+    the checkpoint's step with its slot cursors. Returns its meta."""
+    from lightning_ft.replica.data import seed_generation
 
     meta = json.load(open(os.path.join(ckpt, "meta.json")))
-    for slot, k in meta.get("cursors", {}).items():
-        advance_cursor(store, root, int(slot), int(k))
+    seed_generation(store, root, 0, int(meta["step"]), {int(s): int(k) for s, k in meta.get("cursors", {}).items()},
+                    resumed_from=os.path.abspath(ckpt))
     return meta

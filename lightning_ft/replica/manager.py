@@ -1,51 +1,61 @@
-"""The per-step protocol of one replica rank, framework-free (DESIGN §5, §6).
+"""The per-step protocol of one replica rank, framework-free (docs/ARCHITECTURE.md, "A step").
 
-    mgr = ReplicaManager(model, optimizer, ...)      # after the slow init (model, data)
-    mgr.start()                                      # FTAR + state server; the leader registers
+    mgr = ReplicaManager.from_config(model, optimizer, cfg, ...)   # after the slow init
+    mgr.start()                         # FTAR + state server; the leader registers
+    mgr.prepare()                       # sync / catch-up / rewind until this replica is current
     while mgr.step < max_steps:
-        plan = mgr.start_step()                      # quorum, ring, snapshot or catch-up role
-        if plan.contribute:
-            loss = model(batch(plan.batch_index)).backward()
-        if mgr.commit(mgr.exchange(plan)):           # FTAR exchange, then 2PC inside the replica
-            ...                                      # committed: step advanced
-        # else: retried next round with a new quorum
+        res = mgr.run_step(compute)     # rounds until one commits a step this replica trained
 
-Roles per round. Contributors train and send their gradients; lagging replicas skip forward
-and backward, send zeros, fetch the healthy state (version = committed steps) from
-`contributors[(rid + rank) % len]` while their zeros are on the wire, and apply the same
-optimizer step, so they end the step identical to everyone. The divisor is the number of
-contributors. Healthy ranks publish live references to their state when someone lags and
-freeze (copy) only what has not been fetched by the time their optimizer steps.
+`run_step` owns the whole step: the quorum round (optionally started early with
+`begin_step`, overlapped with forward/backward), the round's role, the exchange, the
+two-phase commit inside the replica, retries, and the rounds that are not training:
 
-Two-phase commit: each rank votes (exchange ok, catch-up ok); an all-reduce MIN over the
-replica's own process group decides. All apply the step, or none does and the step is
-retried. Only the leader (local rank 0) talks to etcd; it broadcasts the quorum to its ranks.
+- train:   contributors train their slot batch and average gradients through FTAR;
+- catchup: lagging (or diverged) replicas send zeros, fetch the healthy state
+           (version = committed steps) from `contributors[(rid + rank) % len]` while their
+           zeros are on the wire, and apply the same optimizer step;
+- source / adopt: a sync round (the job's first round, after a resume, or a rewind): the
+           source (after loading a checkpoint, in a rewind) publishes its state and every
+           other member adopts it; nobody trains.
+
+Two-phase commit: each rank votes; an all-reduce MIN over the replica's own process group
+decides. All apply the step, or none does and the step is retried. A rank whose state a
+failed fetch partly overwrote votes "lost", and the whole replica exits (ReplicaStateLost)
+so that the launcher restarts it fresh. Only the leader (local rank 0) talks to etcd; it
+broadcasts each round's quorum to its ranks.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator
-from lightning_ft.coord.quorum import JobSpec, Quorum
+from lightning_ft.coord.quorum import JobSpec, Quorum, adopt_role
 from lightning_ft.coord.store import EtcdStore, Store
 from lightning_ft.ftar.engine import FTAR
-from lightning_ft.ftar.transport.base import FTARError, FatalError
+from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
 from lightning_ft.replica import data as ledger
+from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
+from lightning_ft.replica.state import (combine, fast_digest, materialize_optimizer_state, opt_params,
+                                        state_tensors)
 
 log = logging.getLogger(__name__)
 
 LR_MODES = ("none", "linear", "sqrt")
+OK, FAILED, LOST = 1, 0, -1
+"""Votes: MIN over the replica's ranks decides."""
 
 
 def lr_factor(mode: str, healthy: int, total: int) -> float:
@@ -60,20 +70,37 @@ def lr_factor(mode: str, healthy: int, total: int) -> float:
     raise ValueError(f"lr_intervention {mode!r} is not one of {LR_MODES}")
 
 
+class ReplicaStateLost(RuntimeError):
+    """A failed catch-up left this replica's state partly overwritten; it must restart fresh."""
+
+
+class StaleManualStep(RuntimeError):
+    """Manual optimization computed gradients on weights a catch-up then replaced."""
+
+
 @dataclass(frozen=True)
 class StepPlan:
     step: int
     """The step this round trains (committed steps of the healthy replicas)."""
     quorum: Quorum
-    lagging: bool
+    role: str
+    """"train", "catchup", "source" or "adopt" (see the module docstring)."""
     divisor: int
     lr_factor: float
     batch_index: int
-    """The batch of this replica's slot to train (contributors only)."""
+    """The batch of this replica's slot to train (train role only)."""
 
     @property
     def contribute(self) -> bool:
-        return not self.lagging
+        return self.role == "train"
+
+    @property
+    def lagging(self) -> bool:
+        return self.role != "train"
+
+    @property
+    def sync(self) -> bool:
+        return self.role in ("source", "adopt")
 
 
 @dataclass
@@ -85,28 +112,24 @@ class StepStats:
     catchup_gbps: float = 0.0
     catchup_mb: float = 0.0
     freeze_s: float = 0.0
+    digest_s: float = 0.0
     retries: int = 0
 
 
 @dataclass
-class _Round:
-    """Bucket bookkeeping of one exchange (see `ReplicaManager.begin_step`)."""
+class StepResult:
+    """What one `run_step` call did."""
 
-    save: bool
-    buckets: int
-    plan: Optional[StepPlan] = None
-    submitted: int = 0
-    works: list = field(default_factory=list)
-    filled: set = field(default_factory=set)
-    count: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.count = [0] * self.buckets
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    committed: int = 0
+    """Steps committed (catch-ups included)."""
+    trained: bool = False
+    """A step that trained the requested batch committed."""
+    caught_up: bool = False
+    synced: bool = False
+    stale: bool = False
+    """The slot's cursor went back (a rewind): the delivered batch is not the next to train;
+    the caller must re-position its data source at `ReplicaManager.cursor`."""
+    loss: Any = None
 
 
 class ReplicaManager:
@@ -116,85 +139,140 @@ class ReplicaManager:
                  incarnation: int, num_replicas: int, secret: str, etcd: str = "", store: Optional[Store] = None,
                  rank: int = 0, world: int = 1, pg: Any = None, min_replicas: int = 1, prefix: str = "/lft",
                  lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0, init_timeout_s: float = 10.0,
-                 lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20, num_chunks: int = 4,
-                 ftar_timeout_s: float = 5.0, quorum_timeout_s: Optional[float] = None,
-                 bind_host: str = "127.0.0.1",
-                 fingerprint: Optional[dict] = None, scheduler: Any = None) -> None:
+                 poll_interval_s: float = 0.05, lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20,
+                 num_chunks: int = 4, ftar_timeout_s: float = 5.0, ftar_connect_timeout_s: float = 5.0,
+                 transport: str = "tcp", quorum_timeout_s: Optional[float] = None,
+                 bind_host: str = "127.0.0.1", advertise_host: str = "",
+                 fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
+                 checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
+                 sync_timeout_s: float = 120.0) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        # Captured now, while FSDP2's parameters are the sharded DTensors: during forward and
-        # backward it swaps unsharded tensors into the module, and the quorum (which publishes
-        # snapshots for catch-up) runs concurrently with those (`begin_step`).
+        # Captured now, while FSDP2's parameters are the sharded DTensors (see state.py).
         self._named_params = list(model.named_parameters())
         self.job, self.rid, self.incarnation = job, rid, incarnation
         self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
         self.secret = secret
         self._etcd, self._store = etcd, store
         self.prefix = prefix
-        self.root = f"{prefix.rstrip('/')}/{job}/"
+        self.root = keys.root(prefix, job)
         self.lr_mode = lr_intervention
         self.quorum_timeout_s = quorum_timeout_s
         self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s,
                             fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
-        self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s)
+        self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)
         self.hang_timeout_s = hang_timeout_s
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
-                             connect_timeout_s=max(2.0, ftar_timeout_s), bind_host=bind_host,
-                             start_timeout_s=hang_timeout_s)
+                             connect_timeout_s=ftar_connect_timeout_s, bind_host=bind_host,
+                             start_timeout_s=hang_timeout_s, transport=transport)
+        self.bind_host, self.advertise_host = bind_host, advertise_host
+        self.digest_every, self.checkpoint_every = max(0, digest_every), max(0, checkpoint_every)
+        self.checkpoint_root, self.run_dir = checkpoint_root, run_dir
+        self.sync_timeout_s = sync_timeout_s
         self.step = 0
         """Committed steps of this replica (its state is at the end of step `step - 1`)."""
+        self.gen = 0
+        """History generation of this replica's state (a rewind starts a new one)."""
+        self.synced = False
+        """The state comes from the job's history: it adopted or committed in `gen`."""
         self.cursor = 0
         self.coord: Optional[Coordinator] = None
         self.ftar: Optional[FTAR] = None
         self.server: Optional[StateServer] = None
+        self.buckets: Optional[GradBuckets] = None
         self._epoch = -1
         self._rank_addrs: list[str] = []
         self._ring_ok = True
-        self._dirty = False
-        """A catch-up wrote into our state and did not commit: never contribute from it."""
-        self._flat: Optional[torch.Tensor] = None
-        self._saved: Optional[torch.Tensor] = None
-        self._saved_ok = False
+        self._blame: tuple[int, ...] = ()
+        self._bad_ckpts: set[int] = set()
+        self._digest: Optional[tuple[int, int]] = None
+        """(state version, this rank's 64-bit digest), reported with the next round."""
         self._cursor_stale = False
         self._unrecorded: Optional[tuple] = None
-        self._lock = threading.Lock()
-        self._buckets: list[tuple[int, int]] = []
-        self._bucket_need: list[int] = []
-        self._offsets: list[tuple[int, int]] = []
-        self._bucket_of: dict[int, int] = {}
-        self._index: dict[int, int] = {}
-        self._armed = False
-        self._round: Optional[_Round] = None
-        self._pool: Any = None
-        self._exchange_ok = False
+        self._stash: Optional[StepPlan] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
         self.stats = StepStats()
         self.last_plan: Optional[StepPlan] = None
         self.on_commit: Optional[Callable[[StepPlan], None]] = None
+        self.on_state_replaced: Optional[Callable[[StepPlan], None]] = None
+        """Called after a sync or catch-up replaced this rank's state (not after training)."""
+        self.request_stop = False
+        """Ask the job to stop (reported with every round until a round carries it)."""
+        self.on_retry: Optional[Callable[[StepPlan], None]] = None
+        """Called when a round's commit failed (the step is retried in a new round)."""
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, *, job: str, rid: int,
+                    incarnation: int, num_replicas: int, secret: str, etcd: str, rank: int = 0, world: int = 1,
+                    pg: Any = None, scheduler: Any = None, run_dir: str = "", **overrides: Any) -> "ReplicaManager":
+        """A manager from the job's FTConfig (lightning_ft.config): its sections, not 25 knobs."""
+        from lightning_ft.config import checkpoint_dir, fingerprint
+
+        kw = dict(min_replicas=cfg.min_replicas, prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
+                  hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
+                  poll_interval_s=cfg.quorum.poll_interval_s, lr_intervention=cfg.lr_intervention,
+                  chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks, ftar_timeout_s=cfg.ftar.timeout_s,
+                  ftar_connect_timeout_s=cfg.ftar.connect_timeout_s, transport=cfg.ftar.transport,
+                  bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
+                  fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
+                  checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg))
+        kw.update(overrides)
+        return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
+                   secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
+                   **kw)
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def store(self) -> Store:
+        return self._store
+
     # -- setup ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Open FTAR and the state server; the leader registers with etcd. Do slow init first."""
-        if self.incarnation > 0:
+        from lightning_ft.network import advertised
+
+        if self.incarnation > 0 or self.step > 0:
             # A restarted replica will almost surely catch up: build its optimizer state now,
             # in the slow init, not on the catch-up's critical path.
-            self._materialize_optimizer_state()
+            materialize_optimizer_state(self.optimizer)
+        if self.is_leader and self._store is None:
+            self._store = EtcdStore(self._etcd)
+        host = self._broadcast(advertised(self.bind_host, self.advertise_host, self._etcd) if self.is_leader else None)
         self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
-        self.server = StateServer(self.secret.encode(), name=f"r{self.rid}/rank{self.rank}")
-        addrs = self._gather((self.ftar.address, self.server.address))
+        self.server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")
+        mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
+        addrs = self._gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
+        self.buckets = GradBuckets(opt_params(self.optimizer), self._send_bucket, f"replica {self.rid}")
         if self.is_leader:
-            if self._store is None:
-                self._store = EtcdStore(self._etcd)
             self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
-                                     on_failure=self._on_failure, **self._coord_kw)
-            self.cursor = ledger.read_cursor(self._store, self.root, self.rid)
-            self.coord.register(self.step, addrs=[a for a, _ in addrs], state_addrs=[s for _, s in addrs])
-        self.cursor = self._broadcast(self.cursor)
+                                     on_failure=self._on_failure, on_event=self.event, **self._coord_kw)
+            self.gen = ledger.latest_gen(self._store, self.root) if self.step == 0 else self.gen
+            self.cursor = ledger.read_cursor(self._store, self.root, self.rid, self.gen)
+            self.coord.register(self.step, addrs=[a for a, _ in addrs], state_addrs=[s for _, s in addrs],
+                                gen=self.gen, synced=self.synced, cursor=self.cursor)
+        self.gen, self.cursor = self._broadcast((self.gen, self.cursor))
+
+    def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
+        """Exchange gradient buckets from backward hooks (buckets.py); same `bucket_bytes` on
+        every replica of a job."""
+        self.buckets.enable_overlap(bucket_bytes)
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Append an event to {run_dir}/events.jsonl (one write, O_APPEND: safe beside the launcher)."""
+        if not self.run_dir:
+            return
+        fields.setdefault("replica", self.rid)
+        line = json.dumps({"t": time.time(), "event": name, "by": self.rid, **fields}) + "\n"
+        fd = os.open(os.path.join(self.run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
     def _on_failure(self, rid: int, reason: str) -> None:
         """Eviction or lease expiry of a current member (leader's watch thread): interrupt the
@@ -226,202 +304,172 @@ class ReplicaManager:
         dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
-    # -- step 1: quorum ----------------------------------------------------------------------------
+    # -- the quorum of a round ----------------------------------------------------------------------
     def start_step(self) -> StepPlan:
+        """Report and obtain this round's quorum (every rank; the leader talks to etcd) and
+        prepare the ring. Safe to run on a background thread (`begin_step`)."""
         t0 = time.perf_counter()
+        digest = self._replica_digest()
         msg: Any = None
         if self.is_leader:
             try:
                 self.coord.heartbeat()
                 self.flush_ledger()  # the previous step's record precedes our report for this one
                 if self._cursor_stale:  # a failed commit: others may have committed our batch
-                    self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid))
+                    self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid, self.gen))
                     self._cursor_stale = False
-                ring_ok = self._ring_ok and not self.ftar.broken
+                state = dict(gen=self.gen, synced=self.synced, blame=self._blame, stop=self.request_stop,
+                             bad_checkpoints=tuple(sorted(self._bad_ckpts)))
+                if digest is not None:
+                    state.update(digest=digest[1], digest_step=digest[0])
                 q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
-                                      ring_ok=ring_ok)
-                if self.rid in q.lagging:
+                                      ring_ok=self._ring_ok and not self.ftar.broken, **state)
+                if adopt_role(q, self.rid) == "catchup":
                     # Read after the decision: the contributors recorded the previous step
                     # (possibly with our batch, if we failed to commit it) before reporting.
-                    self.cursor = ledger.read_cursor(self._store, self.root, self.rid)
+                    self.cursor = ledger.read_cursor(self._store, self.root, self.rid, q.gen)
                 msg = (q, self.cursor)
-            except Exception as e:  # Evicted, QuorumTimeout, StoreError: every rank must exit
+            except Exception as e:  # Evicted, QuorumTimeout, JobHalted, StoreError: every rank must exit
                 msg = e
         msg = self._broadcast(msg)
         if isinstance(msg, Exception):
             raise msg
         q, self.cursor = msg
         self.stats = StepStats(quorum_s=time.perf_counter() - t0, retries=self.stats.retries)
-        lagging = self.rid in q.lagging
-        if self._dirty and not lagging:
-            raise RuntimeError(
-                f"replica {self.rid}: a failed catch-up left this replica's state partly overwritten and no "
-                "healthy replica is ahead of it to catch up from; restart the job from a checkpoint")
+        role = adopt_role(q, self.rid)
         if q.epoch != self._epoch:  # a failed exchange (ring_ok=False) always bumps the epoch
             ring = [q.addrs[i][self.rank] for i in range(len(q.members))]
             try:
                 self.stats.reconfigure_s = self.ftar.reconfigure(q.epoch, ring, q.index(self.rid))
                 self._epoch = q.epoch
-                self._ring_ok = True
+                self._ring_ok, self._blame = True, ()
             except FatalError:
                 raise
             except FTARError as e:  # a neighbour died while connecting: this round fails, the next rebuilds
                 log.warning("replica %d rank %d: connecting the ring of epoch %d failed: %s", self.rid,
                             self.rank, q.epoch, e)
-                self._ring_ok = False
-        if not lagging and q.lagging:
+                self._ring_ok, self._blame = False, self._blamed(q, e)
+        if role == "train" and q.lagging:
             self._publish_snapshot(q)
-        plan = StepPlan(step=q.max_step, quorum=q, lagging=lagging, divisor=len(q.contributors),
-                        lr_factor=lr_factor(self.lr_mode, len(q.contributors), self.R),
-                        batch_index=self.cursor)
+        plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=len(q.contributors),
+                        lr_factor=lr_factor(self.lr_mode, len(q.contributors), self.R), batch_index=self.cursor)
         self.last_plan = plan
         return plan
 
-    # -- step 2-3: exchange (and catch-up) ------------------------------------------------------------
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def _flat_buffer(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise FatalError(f"replica {self.rid}: parameters of mixed dtypes {sorted(map(str, dtypes))}; "
-                             "FTAR exchanges one flat bucket per step, so use one parameter dtype")
-        numel = sum(_local(p).numel() for p in params)
-        if self._flat is None or self._flat.numel() != numel:
-            self._flat = torch.zeros(numel, dtype=params[0].dtype)
-            self._offsets, off = [], 0
-            for p in params:
-                n = _local(p).numel()
-                self._offsets.append((off, off + n))
-                off += n
-            if not self._buckets:  # no overlap: one bucket, sent by exchange()
-                self._buckets, self._bucket_need = [(0, numel)], [len(params)]
-        return self._flat
-
-    def behind(self) -> bool:
-        """Whether the job has already trained past this replica's step, so that its next round
-        will be a catch-up round (a restarted or late replica). Same answer on every rank."""
-        ahead = False
-        if self.is_leader:
-            q = self.coord.latest_quorum()
-            ahead = q is not None and q.max_step > self.step
-        return bool(self._broadcast(ahead))
-
-    def mark_finished(self) -> None:
-        """Record that the job trained to completion (at this replica's step); a replica that
-        restarts afterwards finds nothing left to do instead of training alone."""
-        if self.is_leader:
-            self.flush_ledger()
-            self._store.put(f"{self.root}finished", json.dumps({"step": self.step, "rid": self.rid}).encode())
-
-    def finished_step(self) -> Optional[int]:
-        """The step at which the job finished, or None while it runs. Same answer on every rank."""
-        step = None
-        if self.is_leader:
-            kv = self._store.get(f"{self.root}finished")
-            step = json.loads(kv.value)["step"] if kv else None
-        return self._broadcast(step)
-
-    def restore_grads(self) -> bool:
-        """After a failed commit: put back this rank's local gradients as they were before the
-        exchange (saved by `exchange(save_grads=True)`), so the step is retried without
-        recomputing them. Returns False when nothing was saved."""
-        if not self._saved_ok or self._saved is None:
-            return False
-        self._write_grads(self._params(), self._saved)
-        return True
-
-    def _write_grads(self, params: list[torch.nn.Parameter], src: torch.Tensor) -> None:
-        """Copy a flat buffer (the layout of `_flat`) into the parameters' local gradients."""
-        for p, (lo, hi) in zip(params, self._offsets):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            _local(p.grad).view(-1).copy_(src[lo:hi])
-
-    # -- buckets and overlap with backward ---------------------------------------------------------
-    def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
-        """Exchange gradients in buckets, started from post-accumulate-grad hooks while backward
-        still runs (FSDP2 calls them after each reduce-scatter). Every replica of a job must use
-        the same `bucket_bytes`: the buckets are all-reduced in one canonical order, reverse
-        parameter order (the order backward produces them), whatever order the grads arrive in."""
-        params = self._params()
-        flat = self._flat_buffer(params)
-        offs, off = self._offsets, flat.numel()
-        buckets: list[tuple[int, int]] = []
-        members: list[list[int]] = []
-        hi = off
-        cur: list[int] = []
-        for i in reversed(range(len(params))):
-            cur.append(i)
-            lo = offs[i][0]
-            if (hi - lo) * flat.element_size() >= bucket_bytes or i == 0:
-                buckets.append((lo, hi))
-                members.append(cur)
-                hi, cur = lo, []
-        self._buckets = buckets
-        self._bucket_of = {i: b for b, ms in enumerate(members) for i in ms}
-        self._bucket_need = [len(ms) for ms in members]
-        self._index = {id(p): i for i, p in enumerate(params)}
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+    def _blamed(self, q: Quorum, e: FTARError) -> tuple[int, ...]:
+        """The replica whose FTAR endpoint an error names (for the partition rule)."""
+        peer = getattr(e, "peer", None)
+        for rid, addrs in zip(q.members, q.addrs):
+            if peer and self.rank < len(addrs) and addrs[self.rank] == peer and rid != self.rid:
+                return (rid,)
+        return ()
 
     def begin_step(self, save_grads: bool = True) -> "Future[StepPlan]":
         """Start this round's quorum in the background and arm the gradient hooks for the
         coming (final) backward: buckets are all-reduced as soon as the plan is known and
-        their gradients are in. Call before the backward; then `exchange(plan_future.result())`."""
+        their gradients are in. Then pass the future to `run_step(pending=...)`."""
+        self.buckets.arm(save_grads)
+        if self._stash is not None:  # prepare() obtained a training round before any batch
+            plan, self._stash = self._stash, None
+            fut: Future = Future()
+            fut.set_result(plan)
+            self.buckets.plan_known(plan)
+            return fut
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"lft-quorum-r{self.rid}")
-        with self._lock:
-            self._armed = True
-            self._round = _Round(save_grads, len(self._buckets))
-        fut: Future = self._pool.submit(self._start_and_release)
-        return fut
+        return self._pool.submit(self._start_and_release)
 
     def _start_and_release(self) -> StepPlan:
         plan = self.start_step()
-        with self._lock:
-            if self._round is not None:
-                self._round.plan = plan
-                self._submit_ready(self._round)
+        self.buckets.plan_known(plan)
         return plan
 
     def disarm(self) -> None:
-        """Hooks stop exchanging (recomputation, retries): `exchange` sends everything."""
-        with self._lock:
-            self._armed = False
-            self._round = None
+        self.buckets.disarm()
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        with self._lock:
-            r = self._round
-            if not self._armed or r is None:
-                return
-            i = self._index[id(p)]
-            lo, hi = self._offsets[i]
-            self._flat[lo:hi].copy_(_local(p.grad).reshape(-1))
-            if i not in r.filled:
-                r.filled.add(i)
-                r.count[self._bucket_of[i]] += 1
-            self._submit_ready(r)
+    # -- the step ----------------------------------------------------------------------------------
+    def prepare(self) -> StepResult:
+        """Before the first batch: take part in sync, catch-up and rewind rounds until this
+        replica holds the job's current state. A training round it gets meanwhile is kept for
+        the first `run_step` / `begin_step`."""
+        res = StepResult()
+        while self._stash is None and (not self.synced or self.behind()):
+            plan = self.start_step()
+            if plan.sync:
+                res.synced |= self._sync(plan)
+            elif plan.role == "catchup":
+                if self.commit(self.exchange(plan)):
+                    res.committed += 1
+                    res.caught_up = True
+            else:
+                self._stash = plan
+        return res
 
-    def _submit_ready(self, r: "_Round") -> None:
-        """Submit, in canonical order, the buckets whose gradients are all in (lock held)."""
-        plan = r.plan
-        if plan is None or plan.lagging:
-            return
-        while r.submitted < len(self._buckets) and r.count[r.submitted] == self._bucket_need[r.submitted]:
-            self._submit(r, r.submitted, plan)
+    def run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int] = None,
+                 recompute: Optional[Callable[[StepPlan], Any]] = None, pending: Optional[Future] = None,
+                 computed: bool = False, after_exchange: Optional[Callable[[], None]] = None,
+                 loss: Any = None) -> StepResult:
+        """Run rounds until one commits a step in which this replica trained.
 
-    def _submit(self, r: "_Round", b: int, plan: StepPlan) -> None:
-        lo, hi = self._buckets[b]
-        if r.save:
-            if self._saved is None or self._saved.numel() != self._flat.numel():
-                self._saved = torch.empty_like(self._flat)
-            self._saved[lo:hi].copy_(self._flat[lo:hi])
-        r.works.append(self.ftar.allreduce([self._flat[lo:hi]], divisor=float(plan.divisor)))
-        r.submitted += 1
+        `batch`: the slot batch the caller's loader delivered (None: train whatever the plan
+        assigns; `compute(plan)` then reads `plan.batch_index`). If the job already trained it
+        (a catch-up moved the cursor past it), return without training; if a rewind moved the
+        cursor before it, return `stale=True`. `compute(plan)` runs forward and backward;
+        `computed=True` says the caller already did (overlap: before `pending` resolved).
+        After a catch-up or sync replaced the weights, gradients computed before are stale:
+        `recompute(plan)` redoes them (default: `compute` if the caller had not computed yet, else
+        raise StaleManualStep). `after_exchange()` runs
+        on the averaged gradients before the optimizer step (clipping)."""
+        res = StepResult(loss=loss)
+        if recompute is None and not computed:  # compute() has not run: it can simply run again
+            recompute = compute
+        first = pending.result() if pending is not None else None
+        if first is None and self._stash is not None:
+            first, self._stash = self._stash, None
+        replaced = False
+        while True:
+            if first is None and batch is not None and self.cursor > batch:
+                return res
+            plan, first = (first, None) if first is not None else (self.start_step(), None)
+            if plan.sync:
+                ok = self._sync(plan)
+                res.synced |= ok
+                replaced |= ok
+                continue
+            if plan.role == "catchup":
+                if self.commit(self.exchange(plan)):
+                    res.committed += 1
+                    res.caught_up = replaced = True
+                continue
+            if batch is not None and plan.batch_index != batch:
+                if plan.batch_index < batch:
+                    self.disarm()
+                    res.stale = True
+                    return res
+                raise RuntimeError(f"replica {self.rid}: the quorum assigns slot batch {plan.batch_index} but "
+                                   f"the loader delivered batch {batch}")
+            if computed and replaced:
+                self.disarm()
+                if recompute is None:
+                    raise StaleManualStep(f"replica {self.rid} fell behind with a half-trained manual-optimization "
+                                          "step; exiting so that the launcher restarts it and it catches up first")
+                res.loss = recompute(plan)
+                replaced = False
+            elif not computed:
+                res.loss = compute(plan)
+                computed, replaced = True, False
+            vote = self.exchange(plan, save_grads=True)
+            if vote == OK and after_exchange is not None:
+                after_exchange()
+            if self.commit(vote):
+                res.committed += 1
+                res.trained = True
+                return res
+            self.restore_grads()
+
+    # -- exchange and catch-up ------------------------------------------------------------------------
+    def _send_bucket(self, view: torch.Tensor, plan: StepPlan) -> Any:
+        return self.ftar.allreduce([view], divisor=float(plan.divisor))
 
     def exchange(self, plan: StepPlan, save_grads: bool = False) -> bool:
         """Average gradients over the contributors through FTAR (lagging: zeros, and catch up
@@ -429,62 +477,33 @@ class ReplicaManager:
         its local gradients for `restore_grads` (a retry without recomputation). Buckets that
         the backward hooks already sent (`begin_step`) are not sent again."""
         t0 = time.perf_counter()
-        params = self._params()
-        flat = self._flat_buffer(params)
-        with self._lock:
-            r = self._round if (self._armed and self._round is not None and self._round.plan is plan) else None
-            self._armed, self._round = False, None
-            if r is None:
-                r = _Round(save_grads, len(self._buckets))
-                r.plan = plan
-            r.save = save_grads and not plan.lagging
-            self._saved_ok = r.save
-            if plan.lagging:
-                flat.zero_()
-            else:
-                for i, p in enumerate(params):
-                    if i not in r.filled:
-                        lo, hi = self._offsets[i]
-                        if p.grad is None:
-                            flat[lo:hi].zero_()
-                        else:
-                            flat[lo:hi].copy_(_local(p.grad).reshape(-1))
-            for b in range(r.submitted, len(self._buckets)):
-                self._submit(r, b, plan)
-        ok = True
+        works = self.buckets.send_all(plan, save_grads)
+        vote = OK
         if plan.lagging:  # fetch the healthy state while our zeros are on the wire
-            self._dirty = True
-            ok = self._catch_up(plan)
-        deadline = time.monotonic() + self.hang_timeout_s + self.ftar.timeout_s * 4 + \
-            flat.numel() * flat.element_size() / 1e7
+            vote = self._fetch(plan, deadline_s=self.ftar.timeout_s)
+        nbytes = self.buckets.nbytes
+        deadline = time.monotonic() + self.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
         try:
-            # Bounded by the engine's own deadlines; this only guards against a stuck engine.
-            for work in r.works:
+            for work in works:  # bounded by the engine's own deadlines; this guards a stuck engine
                 work.wait(max(0.1, deadline - time.monotonic()))
         except FatalError:
             raise
         except FTARError as e:
             log.warning("replica %d rank %d: exchange of step %d failed: %s", self.rid, self.rank, plan.step, e)
-            self._ring_ok = False
-            ok = False
-        if ok:
-            self._write_grads(params, flat)
+            self._ring_ok, self._blame = False, self._blamed(plan.quorum, e)
+            vote = min(vote, FAILED)
+        if vote == OK:
+            self.buckets.write_grads()
         self.stats.exchange_s = time.perf_counter() - t0
-        return ok
+        return vote
 
-    # -- catch-up --------------------------------------------------------------------------------
+    def restore_grads(self) -> bool:
+        """After a failed commit: put back this rank's local gradients as they were before the
+        exchange, so the step is retried without recomputing them."""
+        return self.buckets.restore()
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's state shard as named local tensors: parameters, buffers, optimizer state."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self._named_params:
-            out[f"param.{name}"] = _local(p.data if not hasattr(p, "to_local") else p).detach()
-        for name, b in self.model.named_buffers():
-            out[f"buffer.{name}"] = _local(b).detach()
-        for i, p in enumerate(self._params()):
-            for key, v in sorted(self.optimizer.state.get(p, {}).items()):
-                if torch.is_tensor(v):
-                    out[f"optim.{i}.{key}"] = _local(v).detach()
-        return out
+        return state_tensors(self._named_params, self.model, self.optimizer)
 
     def _meta(self) -> dict:
         return {
@@ -500,54 +519,30 @@ class ReplicaManager:
                 expected.add(f"{lag}/{self.rank}")
         self.server.publish(self.step, self.state_tensors(), self._meta(), expected)
 
-    def _materialize_optimizer_state(self) -> None:
-        """A fresh replica has no optimizer state yet; take one step with zero grads and lr 0
-        so that every state tensor exists, then zero every state tensor. Zeroed state is what
-        lazy initialization creates (Adam/AdamW moments and step, SGD momentum), so a replica
-        that ends up not catching up trains exactly as a fresh one would."""
-        params = self._params()
-        if all(self.optimizer.state.get(p) for p in params):
-            return
-        saved = [(g, g["lr"]) for g in self.optimizer.param_groups]
-        grads = [p.grad for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g, _ in saved:
-            g["lr"] = 0.0
-        self.optimizer.step()
-        for g, lr in saved:
-            g["lr"] = lr
-        for p, gr in zip(params, grads):
-            p.grad = gr
-        with torch.no_grad():
-            for p in params:
-                for v in self.optimizer.state.get(p, {}).values():
-                    if torch.is_tensor(v):
-                        _local(v).zero_()
-
-    def _catch_up(self, plan: StepPlan) -> bool:
+    def _fetch(self, plan: StepPlan, deadline_s: float) -> int:
+        """Fetch the state of version plan.step from our source into our tensors: OK, FAILED
+        (nothing written: retry next round) or LOST (partly overwritten)."""
         q = plan.quorum
         src = q.contributors[(self.rid + self.rank) % len(q.contributors)]
         addr = q.state_addrs[q.index(src)][self.rank]
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.ftar.timeout_s
-        try:
-            self._materialize_optimizer_state()
-            into = self.state_tensors()
-            while True:
-                try:
-                    with torch.no_grad():
-                        meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(),
-                                                  f"{self.rid}/{self.rank}", timeout_s=max(10.0, self.ftar.timeout_s * 2))
-                    break
-                except CatchupError as e:
-                    # The healthy ranks publish right after they get the same quorum; we may be early.
-                    if not e.not_yet_published(plan.step) or time.monotonic() > deadline:
-                        raise
+        deadline = time.monotonic() + deadline_s
+        materialize_optimizer_state(self.optimizer)
+        into = self.state_tensors()
+        while True:
+            try:
+                with torch.no_grad():
+                    meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
+                                              timeout_s=max(10.0, self.ftar.timeout_s * 2))
+                break
+            except CatchupError as e:
+                # The source publishes right after it gets the same quorum (or, in a rewind, after
+                # it loaded the checkpoint); we may be early.
+                if e.not_yet_published(plan.step) and time.monotonic() < deadline:
                     time.sleep(0.002)
-        except CatchupError as e:
-            log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
-            return False
+                    continue
+                log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
+                return LOST if e.partial else FAILED
         for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
         if self.scheduler is not None and meta.get("scheduler") is not None:
@@ -555,20 +550,125 @@ class ReplicaManager:
         self.stats.catchup_s = time.perf_counter() - t0
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
         self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
-        log.info("replica %d rank %d caught up to step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid,
-                 self.rank, plan.step, src, stats["bytes"] / 1e6, stats["seconds"], stats["gbps"])
+        log.info("replica %d rank %d %s step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid, self.rank,
+                 "adopted" if plan.sync else "caught up to", plan.step, src, stats["bytes"] / 1e6, stats["seconds"],
+                 stats["gbps"])
+        return OK
+
+    # -- sync rounds: the job's start, resumes and rewinds ------------------------------------------------
+    def _sync(self, plan: StepPlan) -> bool:
+        """A sync round: the source (loading the rewind's checkpoint first, if any) publishes
+        its state, every other member adopts it. Returns whether the round succeeded here."""
+        q = plan.quorum
+        t0 = time.perf_counter()
+        self.disarm()
+        vote, cursors = OK, None
+        if plan.role == "source":
+            rw = q.rewind or {}
+            if rw.get("checkpoint"):
+                vote, cursors = self._load_rewind_checkpoint(str(rw["checkpoint"]), int(rw["checkpoint_step"]))
+            if vote == OK and rw and self.is_leader:
+                self._start_generation(q, cursors)
+            if vote == OK:
+                self.step = q.max_step
+                materialize_optimizer_state(self.optimizer)  # a fresh source has no optimizer state yet
+                self._publish_snapshot(q)
+        else:
+            vote = self._fetch(plan, deadline_s=self.sync_timeout_s)
+        vote = self._vote(vote)
+        if vote == LOST:
+            raise ReplicaStateLost(f"replica {self.rid}: adopting replica {q.source}'s state failed midway; the "
+                                   "state is partly overwritten, so this replica exits to restart fresh")
+        if vote != OK:
+            return False
+        self.step, self.gen, self.synced = q.max_step, q.gen, True
+        if q.rewind is not None:
+            cur = ledger.read_cursor(self._store, self.root, self.rid, q.gen) if self.is_leader else 0
+            self.cursor = self._broadcast(cur)
+        self._take_digest()
+        seconds = time.perf_counter() - t0
+        if plan.role == "adopt" and self.is_leader:
+            st = self.stats
+            print(f"lightning-ft: replica {self.rid} adopted replica {q.source}'s state at step {q.max_step}"
+                  f"{' (rewind)' if q.rewind else ''}: {st.catchup_mb:.1f} MB per rank in {seconds:.3f} s "
+                  f"({st.catchup_gbps:.2f} GB/s)", flush=True)
+            self.event("sync", replica=self.rid, source=q.source, step=q.max_step, gen=q.gen,
+                       rewind=q.rewind is not None, seconds=round(seconds, 4), mb=round(st.catchup_mb, 3))
+        if self.on_state_replaced is not None:
+            self.on_state_replaced(plan)
         return True
 
-    # -- step 4-5: two-phase commit and the LR factor ---------------------------------------------------
-    def commit(self, vote: bool) -> bool:
+    def _load_rewind_checkpoint(self, path: str, step: int) -> tuple[int, Optional[dict]]:
+        """Load the rewind's checkpoint (every rank its shard); (vote, cursors of its meta)."""
+        from lightning_ft.replica.checkpoint import CheckpointInvalid, verify
+
+        why = ""
+        if self.is_leader:
+            try:
+                verify(path)
+            except CheckpointInvalid as e:
+                why = str(e)
+        why = self._broadcast(why)  # every rank loads, or none does (the load is a collective)
+        if why:
+            log.error("replica %d: the rewind's checkpoint does not verify: %s", self.rid, why)
+            self._bad_ckpts.add(step)
+            return FAILED, None
+        try:
+            self.load_checkpoint(path)
+            meta = json.load(open(os.path.join(path, "meta.json")))
+            return OK, {int(s): int(k) for s, k in meta.get("cursors", {}).items()}
+        except (CheckpointInvalid, OSError, RuntimeError, ValueError, KeyError) as e:
+            log.error("replica %d: cannot load the rewind's checkpoint %s: %s", self.rid, path, e)
+            self._bad_ckpts.add(step)
+            return FAILED, None
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Load a persistent checkpoint into this rank's model, optimizer and scheduler;
+        returns its meta. Used by `--resume` (before `start`) and by rewinds."""
+        from lightning_ft.replica.checkpoint import load
+
+        materialize_optimizer_state(self.optimizer)
+        got = load(path, self.model, self.optimizer, pg=None if self.world == 1 else self.pg)
+        extra = got["extra"]
+        for g, saved in zip(self.optimizer.param_groups, extra["param_groups"]):
+            g.update(saved)
+        if self.scheduler is not None and extra.get("schedulers") is not None:
+            self.scheduler.load_state_dict(extra["schedulers"])
+        self.step = int(got["meta"]["step"])
+        return got["meta"]
+
+    def _start_generation(self, q: Quorum, cursors: Optional[dict[int, int]]) -> None:
+        """Leader of a rewind's source: seed the new generation's cursors (the checkpoint's, or
+        the ledger's at the step we hold) and retire the checkpoints of the discarded future."""
+        from lightning_ft.replica.checkpoint import supersede
+
+        T = q.max_step
+        if cursors is None:
+            cursors = ledger.cursors_at(self._store, self.root, T, range(self.R))
+        rw = q.rewind
+        ledger.seed_generation(self._store, self.root, q.gen, T, cursors, **{
+            "from": rw["from"], "checkpoint": rw["checkpoint"], "source": self.rid, "round": q.round})
+        if self.checkpoint_root:
+            supersede(self._store, self.root, self.checkpoint_root, T, q.gen)
+        self.cursor = cursors.get(self.rid, 0)
+        print(f"lightning-ft: replica {self.rid}: rewind from step {rw['from']} to {T} (generation {q.gen}"
+              f"{', checkpoint ' + str(rw['checkpoint']) if rw['checkpoint'] else ''})", flush=True)
+
+    # -- two-phase commit and the LR factor ------------------------------------------------------------
+    def commit(self, vote: int | bool) -> bool:
         """All ranks of the replica apply the optimizer step, or none does."""
         plan = self.last_plan
-        ok = self._vote(vote)
-        if not ok:
+        result = self._vote(int(vote))
+        if result == LOST:
+            raise ReplicaStateLost(f"replica {self.rid}: a catch-up failed midway; the state is partly overwritten, "
+                                   "so this replica exits to restart fresh")
+        if result != OK:
             self.optimizer.zero_grad(set_to_none=True)
             self._cursor_stale = True
             self.stats.retries += 1
             self._ring_ok = False  # peers may be mid-collective: rebuild the ring next round
+            if self.on_retry is not None:
+                self.on_retry(plan)
             return False
         self.stats.freeze_s = self.server.freeze()
         saved = [g["lr"] for g in self.optimizer.param_groups]
@@ -580,33 +680,100 @@ class ReplicaManager:
             for g, lr in zip(self.optimizer.param_groups, saved):
                 g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        self.step = plan.step + 1
-        self._dirty = False
-        self._saved_ok = False
+        q = plan.quorum
+        self.step, self.gen, self.synced = plan.step + 1, q.gen, True
         if plan.contribute:
             self.cursor = plan.batch_index + 1
         if self.is_leader:
             # Written by the next start_step, before this replica reports for the next round
             # (from the quorum thread when overlapped): off the step's critical path.
-            q = plan.quorum
-            self._unrecorded = (plan.step, q.epoch, q.round, {c: q.cursor_of(c) for c in q.contributors})
+            self._unrecorded = (plan.step, q.epoch, q.round, q.gen, {c: q.cursor_of(c) for c in q.contributors})
+        self._take_digest()
         if self.on_commit is not None:
             self.on_commit(plan)
+        if plan.role == "catchup" and self.on_state_replaced is not None:
+            self.on_state_replaced(plan)
         return True
 
     def flush_ledger(self) -> None:
-        """Record the last commit in the ledger and advance the cursors (leader; idempotent)."""
+        """Record the last commit in the ledger and advance the cursors (leader; idempotent).
+        The write is fenced: an evicted incarnation, or one whose lease lapsed, records nothing."""
         rec, self._unrecorded = self._unrecorded, None
         if rec is not None and self.is_leader:
-            step, epoch, round_, batches = rec
-            ledger.record_commit(self._store, self.root, step, self.rid, epoch, round_, batches)
+            step, epoch, round_, gen, batches = rec
+            if not ledger.record_commit(self._store, self.root, step, self.rid, epoch, round_, batches, gen=gen,
+                                        fence=self.coord.fence()):
+                log.warning("replica %d: the ledger refused our record of step %d (evicted or our lease lapsed); "
+                            "the others decide without it", self.rid, step)
 
-    def _vote(self, vote: bool) -> bool:
+    def _vote(self, vote: int) -> int:
         if self.pg is None and self.world == 1:
-            return vote
-        t = torch.tensor([1 if vote else 0], dtype=torch.int32)
+            return int(vote)
+        t = torch.tensor([int(vote)], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
-        return bool(t.item())
+        return int(t.item())
+
+    # -- the divergence guard ------------------------------------------------------------------------
+    def digest_due(self, step: int) -> bool:
+        """Every replica digests at the same steps: every `digest_every`, and at checkpoints."""
+        return step > 0 and ((self.digest_every and step % self.digest_every == 0)
+                             or (self.checkpoint_every and step % self.checkpoint_every == 0))
+
+    def _take_digest(self) -> None:
+        if not self.digest_due(self.step):
+            self._digest = None
+            return
+        t0 = time.perf_counter()
+        self._digest = (self.step, fast_digest(sorted(self.state_tensors().items())))
+        self.stats.digest_s = time.perf_counter() - t0
+
+    def _replica_digest(self) -> Optional[tuple[int, str]]:
+        """(version, replica digest) to report now (every rank takes part), or None."""
+        mine, self._digest = self._digest, None
+        if self.world > 1:
+            if not self.digest_due(self.step):  # the same answer on every rank: no collective
+                return None
+            got = self._gather(mine)
+            if any(g is None or g[0] != got[0][0] for g in got):
+                return None
+            return got[0][0], combine(d for _, d in got)
+        return None if mine is None else (mine[0], combine([mine[1]]))
+
+    # -- queries ------------------------------------------------------------------------------------
+    def behind(self) -> bool:
+        """Whether the job has already trained past this replica's step, so that its next round
+        will be a catch-up round (a restarted or late replica). Same answer on every rank."""
+        ahead = False
+        if self.is_leader:
+            q = self.coord.latest_quorum()
+            ahead = q is not None and (q.max_step > self.step or q.gen != self.gen)
+        return bool(self._broadcast(ahead))
+
+    def mark_finished(self) -> None:
+        """Record that the job trained to completion (at this replica's step); a replica that
+        restarts afterwards finds nothing left to do instead of training alone."""
+        if self.is_leader:
+            self.flush_ledger()
+            self._store.put(keys.finished(self.root), json.dumps({"step": self.step, "rid": self.rid}).encode())
+
+    def finished_step(self) -> Optional[int]:
+        """The step at which the job finished, or None while it runs. Same answer on every rank."""
+        step = None
+        if self.is_leader:
+            kv = self._store.get(keys.finished(self.root))
+            step = json.loads(kv.value)["step"] if kv else None
+        return self._broadcast(step)
+
+    def on_halt(self) -> None:
+        """The job halted (diverged states): keep only checkpoints whose digests agreed."""
+        from lightning_ft.replica.checkpoint import invalidate_after
+
+        plan = self.last_plan
+        if self.is_leader and self.checkpoint_root and plan is not None:
+            gone = invalidate_after(self.checkpoint_root, plan.quorum.verified_step)
+            if gone:
+                print(f"lightning-ft: replica {self.rid}: checkpoints {gone} may hold diverged state; their "
+                      f"manifests were renamed manifest.json.suspect", flush=True)
 
     # -- shutdown -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -625,3 +792,11 @@ class ReplicaManager:
             self.server.close()
         if self._store is not None and self._etcd:
             self._store.close()
+
+
+def _with_host(addr: str, host: Optional[str]) -> str:
+    """`addr` (host:port of a listener) with the advertised host in place of its bind host."""
+    if not host:
+        return addr
+    _, _, port = addr.rpartition(":")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

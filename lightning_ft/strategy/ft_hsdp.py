@@ -1,31 +1,23 @@
-"""`FTHSDPStrategy`: fault-tolerant HSDP as a Lightning strategy (DESIGN §1, §5-§7, §11).
+"""`FTHSDPStrategy`: fault-tolerant HSDP as a Lightning strategy (docs/ARCHITECTURE.md, "Lightning glue").
 
 One Lightning "world" is one replica: W processes running FSDP2 over their own process
 group (Lightning's `ModelParallelStrategy`, gloo on CPU). Across replicas nothing is a
-torch.distributed collective: the `ReplicaManager` runs the per-step quorum, the FTAR
-gradient exchange, catch-up and the two-phase commit.
+torch.distributed collective: the framework-free `ReplicaManager` owns the whole step
+(quorum, catch-up, sync and rewind rounds, the FTAR exchange, the two-phase commit,
+retries). This class only adapts Lightning's hooks to it:
 
-Mapping onto Lightning's loop. Every call of `optimizer_step` (automatic or manual
-optimization) ends with the replica's committed step count equal to Lightning's
-`global_step`:
+- `on_train_start`: `mgr.prepare()` (sync / catch-up / rewind before the first batch);
+- `on_train_batch_start`: the exactly-once loader's tag of the batch, and `begin_step`
+  (the round's quorum overlaps forward/backward; backward hooks send gradient buckets);
+- `optimizer_step`: `mgr.run_step(closure, ...)`, then Lightning's counters from the
+  committed step count, the checkpoint, the run log.
 
-    loop:
-        plan = start_step()                          # quorum round
-        lagging  -> zeros + catch-up, commit        # the state jumps to the healthy one
-        contrib. -> closure() (forward/backward), exchange, commit; failed -> restore grads, retry
-
-A round can commit a step that did not train this replica's batch (a catch-up); the batch
-is then trained in the next round of the same call, recomputed on the caught-up weights
-(automatic optimization replays the accumulated micro-batches). Lightning's step counters
-are set from the committed count, and step-interval LR schedulers are stepped exactly once
-per committed step (a catch-up loads the healthy replica's scheduler state).
-
-The train loader is replaced by an exactly-once one (`FTBatchSampler`): the replica trains
-its slot's batches from the slot cursor in etcd, so every batch is trained once by the job.
+Side jobs live in their own modules: schedulers.py (schedulers stepped once per committed
+step), sharding.py (auto `fully_shard`), checkpoints.py (persistent checkpoints),
+runlog.py (steps.jsonl, final.json, metrics), sampler.py (the exactly-once batch sampler).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -34,16 +26,21 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
-from lightning_ft.config import FTConfig, fingerprint, load_config
+from lightning_ft.config import FTConfig, load_config
 from lightning_ft.replica.data import SlotStream
+from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
+from lightning_ft.strategy.schedulers import CommittedSchedulers
 
 log = logging.getLogger(__name__)
+
+EXIT_HALTED = 3
+"""Exit code of a replica when the job halted (every replica obeys; the launcher stops)."""
 
 
 class FTHSDPError(RuntimeError):
@@ -59,71 +56,6 @@ def _env(name: str, default: Optional[str] = None) -> str:
             "LFT_NUM_REPLICAS, LFT_ETCD, LFT_SECRET, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT per process "
             "(README, multi-node)")
     return v
-
-
-class _Schedulers:
-    """Step-interval LR schedulers stepped once per *committed* step; state for catch-up.
-
-    Lightning steps each scheduler once after every `optimizer_step` call. A call may commit
-    zero steps (a batch already trained) or several (a catch-up, then our own step), so each
-    scheduler's `step` is wrapped: it applies the steps owed since the last call."""
-
-    def __init__(self, configs: Sequence[Any]) -> None:
-        self.configs = list(configs)
-        self._owed: dict[int, int] = {}
-        self._orig: dict[int, Callable] = {}
-        for c in self.configs:
-            sch = c.scheduler
-            if c.interval != "step" or c.reduce_on_plateau:
-                continue
-            self._owed[id(sch)] = 0
-            self._orig[id(sch)] = type(sch).step.__get__(sch)
-            sch.__class__ = self._synced_class(type(sch))
-
-    def _synced_class(self, cls: type) -> type:
-        """A subclass whose `step` pays the steps owed (keeps state_dict() free of wrappers)."""
-        sync = self
-
-        def step(sch: Any, *args: Any, **kwargs: Any) -> None:
-            sync._pay(id(sch))
-
-        return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
-
-    def _pay(self, sid: int) -> None:
-        while self._owed[sid] > 0:
-            self._orig[sid]()
-            self._owed[sid] -= 1
-
-    def committed(self) -> None:
-        for sid in self._owed:
-            self._owed[sid] += 1
-
-    def flush(self) -> None:
-        for sid in self._owed:
-            self._pay(sid)
-
-    def state_dict(self) -> list:
-        return [c.scheduler.state_dict() for c in self.configs]
-
-    def load_state_dict(self, states: list) -> None:
-        for c, s in zip(self.configs, states):
-            c.scheduler.load_state_dict(s)
-        for sid in self._owed:  # the healthy replica's state already includes its steps
-            self._owed[sid] = 0
-
-
-class _FTMetrics(Callback):
-    """Per-step FT metrics through the Lightning logger (DESIGN §11)."""
-
-    def __init__(self, strategy: "FTHSDPStrategy") -> None:
-        self.strategy = strategy
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not trainer._logger_connector.should_update_logs:
-            return  # logging every step costs milliseconds; loggers only write every n steps
-        m = self.strategy.metrics()
-        if m:
-            pl_module.log_dict(m, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
 
 class FTHSDPStrategy(ModelParallelStrategy):
@@ -160,14 +92,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.mgr: Any = None
         self.sampler: Optional[FTBatchSampler] = None
         self._window: list[tuple[tuple[int, int], Any, int]] = []
-        self._schedulers: Optional[_Schedulers] = None
+        self._schedulers: Optional[CommittedSchedulers] = None
         self._ft_devices: Optional[list[torch.device]] = None
         self.committed_in_call = 0
         self.recomputes = 0
         self._job_done = False
-        self._steps_file: Any = None
+        self._steplog: Optional[StepLog] = None
         self._phase: dict[str, float] = {}
         self._ckpt: Any = None
+        self._fit_started = False
+        self._reducer: Any = None
+        self.stop_agreed = False
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -182,8 +117,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def incarnation(self) -> int:
         return int(os.environ.get("LFT_INCARNATION", "0"))
 
-    @property
-    def parallel_devices(self) -> Optional[list[torch.device]]:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def parallel_devices(self) -> Optional[list[torch.device]]:
         return self._ft_devices
 
     @parallel_devices.setter
@@ -202,18 +137,21 @@ class FTHSDPStrategy(ModelParallelStrategy):
             cfg.lr_intervention = self.lr_intervention
         return cfg
 
+    @override
     def setup_environment(self) -> None:
         world = len(self.parallel_devices or [None])
         self._data_parallel_size, self._tensor_parallel_size = world, 1
         self.cfg = self.load_ft_config()
-        _env("LFT_REPLICA_ID")
         super().setup_environment()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
+            self._fit_started = True
+            self._exit_if_finished()
         trainer = self.lightning_module.trainer
         for lg in trainer.loggers:  # each replica logs to its own directory
             if hasattr(lg, "_version") and lg._version is None:
                 lg._version = f"replica_{self.rid}"
-        if not any(isinstance(cb, _FTMetrics) for cb in trainer.callbacks):
-            trainer.callbacks.append(_FTMetrics(self))
+        if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.append(FTMetrics(self))
         from lightning_ft.callbacks.failure import FailureInjector
 
         failures = self.cfg.failure
@@ -221,40 +159,46 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                                                      for cb in trainer.callbacks):
             trainer.callbacks.append(FailureInjector())  # the job config schedules failures: inject them
 
+    def _exit_if_finished(self) -> None:
+        """A replica (re)started after the job finished leaves before any user hook runs (no
+        `setup`, no `on_train_end` on untrained weights)."""
+        from lightning_ft.coord import keys
+        from lightning_ft.coord.store import EtcdStore
+
+        done = None
+        if self.global_rank == 0:
+            store = EtcdStore(_env("LFT_ETCD"))
+            try:
+                kv = store.get(keys.finished(keys.root(self.cfg.etcd.prefix, _env("LFT_JOB"))))
+                done = kv.value.decode() if kv else None
+            finally:
+                store.close()
+        if self.world_size > 1:
+            box = [done]
+            dist.broadcast_object_list(box, src=0)
+            done = box[0]
+        if done is not None:
+            if self.global_rank == 0:
+                print(f"lightning-ft: replica {self.rid}: the job already finished ({done}); nothing to train",
+                      file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+
     # -- model: FSDP2 inside the replica ----------------------------------------------------------
-    def _auto_shard(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor
-
-        module = self.lightning_module
-        params = list(module.parameters())
-        if any(isinstance(p, DTensor) for p in params):
-            return  # the user's configure_model parallelized it
-        if self.world_size == 1:
-            return  # one shard is the whole model: FSDP2 would only add overhead
-        mesh = self.device_mesh["data_parallel"]
-        if self.shard_layers is not None:
-            names = {c if isinstance(c, str) else c.__name__ for c in self.shard_layers}
-            layers = [m for m in module.modules() if type(m).__name__ in names and m is not module]
-        else:
-            layers = [m for ml in module.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
-        for m in layers:
-            fully_shard(m, mesh=mesh)
-        for _, child in module.named_children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh)
-        loose = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
-        if loose:
-            raise FTHSDPError(f"parameters {loose[:5]} live directly on the LightningModule, so the strategy cannot "
-                              "fully_shard them; put them in a submodule, or apply fully_shard in configure_model()")
-
+    @override
     def setup(self, trainer: Any) -> None:
         # ModelParallelStrategy.setup, without its demand that configure_model parallelizes.
-        from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+
+        from lightning_ft.strategy.sharding import ShardingError, auto_shard
 
         self.accelerator.setup(trainer)
-        self._auto_shard()
+        try:
+            auto_shard(self.lightning_module, self.device_mesh["data_parallel"] if self.world_size > 1 else None,
+                       self.world_size, self.shard_layers)
+        except ShardingError as e:
+            raise FTHSDPError(str(e)) from None
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -264,121 +208,70 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._start_replica(trainer)
+            if self.mgr is None:
+                self._start_replica(trainer)
 
     def _start_replica(self, trainer: Any) -> None:
+        from lightning_ft.config import checkpoint_dir
         from lightning_ft.replica.manager import ReplicaManager
 
         if len(self.optimizers) != 1:
             raise FTHSDPError(f"ft_hsdp exchanges the gradients of one optimizer; configure_optimizers returned "
                               f"{len(self.optimizers)}")
         cfg = self.cfg
-        self._schedulers = _Schedulers(self.lr_scheduler_configs)
+        if self.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
+            cfg.lr_intervention = self.lr_intervention
+        self._schedulers = CommittedSchedulers(self.lr_scheduler_configs)
         world = self.world_size
         # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
         # collectives run on the default group.
         pg = dist.new_group(backend="gloo") if world > 1 else None
-        self.mgr = ReplicaManager(
-            self.lightning_module, self.optimizers[0], job=_env("LFT_JOB"), rid=self.rid,
+        self.mgr = ReplicaManager.from_config(
+            self.lightning_module, self.optimizers[0], cfg, job=_env("LFT_JOB"), rid=self.rid,
             incarnation=self.incarnation, num_replicas=self.num_replicas, secret=_env("LFT_SECRET"),
-            etcd=_env("LFT_ETCD"), rank=self.global_rank, world=world, pg=pg,
-            min_replicas=cfg.min_replicas, prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
-            hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
-            lr_intervention=cfg.lr_intervention, chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks,
-            ftar_timeout_s=cfg.ftar.timeout_s, bind_host=cfg.ftar.bind_host, fingerprint=fingerprint(cfg),
-            scheduler=self._schedulers)
+            etcd=_env("LFT_ETCD"), rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
+            run_dir=os.environ.get("LFT_RUN_DIR", ""))
         self.mgr.on_commit = self._on_commit
         resume = os.environ.get("LFT_RESUME")
         if resume:
-            self._resume(resume)
+            t0 = time.perf_counter()
+            self.mgr.load_checkpoint(resume)
+            if self.global_rank == 0:
+                print(f"lightning-ft: replica {self.rid} resumed from {resume} (step {self.mgr.step}) in "
+                      f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
         if cfg.checkpoint.every_n_steps > 0:
-            from lightning_ft.config import checkpoint_dir
-            from lightning_ft.replica.checkpoint import CheckpointWriter
+            from lightning_ft.strategy.checkpoints import ReplicaCheckpoints
 
-            ckpt_pg = dist.new_group(backend="gloo") if world > 1 else None
-            self._ckpt = CheckpointWriter(checkpoint_dir(cfg), cfg.checkpoint.keep, self.global_rank, ckpt_pg,
-                                          on_done=self._checkpoint_done)
-            self._ckpt_pg = ckpt_pg
+            self._ckpt = ReplicaCheckpoints(self.mgr, checkpoint_dir(cfg), cfg.checkpoint.keep,
+                                            cfg.checkpoint.every_n_steps, self.global_rank, world, self.rid)
+        self._steplog = StepLog(self.rid, self.incarnation)
+        from lightning_ft.strategy.evaluation import CrossReplicaReducer
+
+        self._reducer = CrossReplicaReducer(self.mgr, timeout_s=cfg.etcd.hang_timeout_s)
         self.mgr.start()
         if self.overlap:
             self.mgr.enable_overlap(cfg.ftar.bucket_bytes)
 
-    # -- persistent checkpoints (DESIGN §8) ---------------------------------------------------------
-    def _resume(self, path: str) -> None:
-        """Whole-job restart: every replica loads the same checkpoint before registering."""
-        from lightning_ft.replica.checkpoint import load
-
-        t0 = time.perf_counter()
-        self.mgr._materialize_optimizer_state()
-        got = load(path, self.lightning_module, self.optimizers[0],
-                   pg=None if self.world_size == 1 else dist.group.WORLD)
-        extra = got["extra"]
-        for g, saved in zip(self.optimizers[0].param_groups, extra["param_groups"]):
-            g.update(saved)
-        self._schedulers.load_state_dict(extra["schedulers"])
-        self.mgr.step = int(got["meta"]["step"])
-        if self.global_rank == 0:
-            print(f"lightning-ft: replica {self.rid} resumed from {path} (step {self.mgr.step}) in "
-                  f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
-
-    def _maybe_checkpoint(self) -> None:
-        n = self.cfg.checkpoint.every_n_steps
-        plan = self.mgr.last_plan
-        if self._ckpt is None or plan is None or self.mgr.step % n or self.committed_in_call == 0:
-            return
-        if self.rid != min(plan.quorum.contributors):
-            return
-        from lightning_ft.replica import data as ledger
-
-        self._schedulers.flush()  # the state after this step, scheduler included
-        q = plan.quorum
-        cursors = {}
-        if self.global_rank == 0:
-            for slot in range(self.num_replicas):
-                if slot in q.contributors:
-                    cursors[slot] = q.cursor_of(slot) + 1
-                else:
-                    cursors[slot] = ledger.read_cursor(self.mgr._store, self.mgr.root, slot)
-        meta = {"step": self.mgr.step, "job": os.environ.get("LFT_JOB"), "replicas": self.num_replicas,
-                "writer": self.rid, "cursors": {str(k): v for k, v in cursors.items()},
-                "quorum": {"round": q.round, "epoch": q.epoch, "members": list(q.members),
-                           "contributors": list(q.contributors)}}
-        extra = {"step": self.mgr.step, "schedulers": self._schedulers.state_dict(),
-                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                  for g in self.optimizers[0].param_groups]}
-        stats = self._ckpt.save(self.mgr.step, self.lightning_module, self.optimizers[0], extra, meta)
-        self._phase["ckpt_stage_ms"] = stats.stage_s * 1e3
-
-    def _checkpoint_done(self, step: int, path: str, stats: Any) -> None:
-        """Writer rank 0, background thread: publish and record the complete checkpoint."""
-        try:
-            self.mgr._store.put(f"{self.mgr.root}ckpt/latest",
-                                json.dumps({"step": step, "path": os.path.abspath(path)}).encode())
-        except Exception as e:
-            log.warning("could not publish checkpoint %s in etcd: %s", path, e)
-        d = os.path.join(os.environ.get("LFT_RUN_DIR", "."), f"replica_{self.rid}")
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, "checkpoints.jsonl"), "a") as f:
-            f.write(json.dumps({"t": time.time(), "step": step, "path": path, "stage_s": round(stats.stage_s, 4),
-                                "write_s": round(stats.write_s, 4), "bytes": stats.bytes}) + "\n")
-
     def _on_commit(self, plan: Any) -> None:
         self.committed_in_call += 1
         if self._schedulers is not None:
-            self._schedulers.committed()
+            self._schedulers.committed(self.mgr.step)
 
     # -- data: exactly-once batches -----------------------------------------------------------------
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if self.mgr is None or not trainer.training or not isinstance(dataloader, DataLoader):
+        if self.mgr is None or not isinstance(dataloader, DataLoader):
             return dataloader
+        if not trainer.training:
+            return self._eval_loader(dataloader)
         if isinstance(dataloader.dataset, IterableDataset):
             raise FTHSDPError("ft_hsdp trains every batch exactly once by sample index, so the train dataset must be "
                               "map-style (__getitem__ and __len__), not an IterableDataset")
         bs = dataloader.batch_size
         if bs is None:
             raise FTHSDPError("the train DataLoader must set batch_size (per process); ft_hsdp builds the batches")
-        n = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+        n = self._micro_batches()
         seed = self._data_seed if self._data_seed is not None else int(self.cfg.seed)
         stream = SlotStream(len(dataloader.dataset), bs * self.world_size * n, self.num_replicas, seed=seed)
         if stream.num_samples // stream.batch_size < self.num_replicas:
@@ -386,12 +279,72 @@ class FTHSDPStrategy(ModelParallelStrategy):
                               f"replica for {self.num_replicas} replicas")
         self.sampler = FTBatchSampler(stream, self.rid, self.global_rank, self.world_size, n,
                                       start=lambda: self.mgr.cursor)
+        self._schedulers.steps_per_epoch = self.sampler.steps_per_epoch()
         return DataLoader(dataloader.dataset, batch_sampler=self.sampler, num_workers=dataloader.num_workers,
                           collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
                           worker_init_fn=dataloader.worker_init_fn,
                           persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
                           multiprocessing_context=dataloader.multiprocessing_context)
 
+    def _eval_loader(self, dataloader: DataLoader) -> DataLoader:
+        """Validation/test loaders are sharded over the live replicas, then over ranks."""
+        from lightning_ft.strategy.evaluation import ShardSampler
+
+        if isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_size is None:
+            return dataloader  # not shardable by index: every replica evaluates what it is given
+
+        def shard() -> tuple[int, int, int, int]:
+            i, k = self._reducer.shard()
+            return i, k, self.global_rank, self.world_size
+
+        sampler = ShardSampler(len(dataloader.dataset), shard)
+        return DataLoader(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
+                          num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
+                          pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
+                          worker_init_fn=dataloader.worker_init_fn,
+                          multiprocessing_context=dataloader.multiprocessing_context)
+
+    # -- evaluation and decisions across replicas --------------------------------------------------------
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.mgr is not None:
+            self._reducer.begin("sanity" if self.lightning_module.trainer.sanity_checking else "val")
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.mgr is not None:
+            self._reducer.end()
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Within the replica as ModelParallelStrategy does; during evaluation (logged metrics with
+        `sync_dist=True`), also across the live replicas, so that every replica logs the same value."""
+        from lightning_ft.strategy.evaluation import op_name
+
+        out = super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if self.mgr is not None and self._reducer.active and isinstance(out, torch.Tensor):
+            out = self._reducer.reduce(out, op_name(reduce_op))
+        return out
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank of every live replica: EarlyStopping, ModelCheckpoint and friends
+        decide the same on every replica at the same step."""
+        if self.mgr is None or self._reducer.active:
+            return super().reduce_boolean_decision(decision, all=all)
+        self._reducer.begin("decide")
+        try:
+            return super().reduce_boolean_decision(decision, all=all)
+        finally:
+            self._reducer.end()
+
+    def _micro_batches(self) -> int:
+        trainer = self.lightning_module.trainer
+        return trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self.mgr is None:
@@ -400,46 +353,31 @@ class FTHSDPStrategy(ModelParallelStrategy):
             raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
                               "loader must be the one the strategy installs (no custom data fetching)")
         self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
-        trainer = self.lightning_module.trainer
-        n = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
-        if self.overlap and self._pending is None and len(self._window) == n:
+        if self.overlap and self._pending is None and len(self._window) == self._micro_batches():
             # This batch's backward completes the step: run the quorum meanwhile and let the
             # gradient hooks start the exchange.
             self._pending = self.mgr.begin_step()
 
     # -- the step -----------------------------------------------------------------------------------
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.mgr is None:
             return
-        done = self.mgr.finished_step()
-        if done is not None:
-            print(f"lightning-ft: replica {self.rid}: the job already finished at step {done}; nothing to train",
-                  file=sys.stderr, flush=True)
-            self._job_done = True
-            self.lightning_module.trainer.should_stop = True
-            return
-        # A restarted or late replica catches up before it touches a batch (no wasted compute,
-        # and accumulation or manual optimization never trains on stale weights).
+        # Sync, catch-up and rewind rounds before any batch (no wasted compute, and accumulation
+        # or manual optimization never trains on stale weights).
         t0 = time.perf_counter()
-        caught_up = False
-        while self.mgr.behind():
-            plan = self.mgr.start_step()
-            if not plan.lagging:
-                raise FTHSDPError(f"replica {self.rid} expected to catch up but the quorum made it a contributor "
-                                  "(the healthy replicas may all have failed); restart the job from a checkpoint")
-            if self.mgr.commit(self.mgr.exchange(plan)):
-                self._schedulers.flush()
-                caught_up = True
-        self._set_lightning_step(self.mgr.step)
-        if caught_up:
+        res = self.mgr.prepare()
+        self._schedulers.flush()
+        self._set_lightning_step(self.mgr.step, in_batch=False)
+        if res.committed or res.synced:
             self._log_step(None, True, time.perf_counter() - t0)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.mgr is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        lm = self.lightning_module
-        auto = lm.automatic_optimization
+        auto = self.lightning_module.automatic_optimization
         window, self._window = self._window, []
         if not window:
             raise FTHSDPError("optimizer_step without a training batch: ft_hsdp supports one optimizer step per "
@@ -450,78 +388,44 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.committed_in_call = 0
         self._phase = {}
         t0 = time.perf_counter()
-        caught_up = False
-        loss = None
-        closure_done = False
-        fresh = True  # gradients accumulated so far were computed on the current weights
-        mgr = self.mgr
-        first = None
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            if auto:  # forward/backward overlap the quorum; hooks send buckets once it is in
-                loss = closure()
-                closure_done = True
-            t1 = time.perf_counter()
-            self._phase["closure_ms"] = (t1 - t0) * 1e3
-            first = pending.result()
-            self._phase["quorum_wait_ms"] = (time.perf_counter() - t1) * 1e3
-        while first is not None or mgr.cursor <= k:
-            if self.committed_in_call:
-                self._schedulers.flush()
-            plan, first = (first, None) if first is not None else (mgr.start_step(), None)
-            if plan.lagging:
-                if mgr.commit(mgr.exchange(plan)):
-                    fresh, caught_up = False, True
-                continue
-            if plan.batch_index != k:
-                raise FTHSDPError(f"replica {self.rid}: the quorum assigns slot batch {plan.batch_index} but the "
-                                  f"loader delivered batch {k}")
-            if not fresh:
-                if not auto:
-                    raise FTHSDPError(f"replica {self.rid} fell behind with a half-trained manual-optimization step; "
-                                      "exiting so that the launcher restarts it and it catches up first")
-                mgr.disarm()
-                loss = self._recompute(window, closure, optimizer)
-                closure_done = fresh = True
-            elif not closure_done:
-                loss = closure()
-                closure_done = True
-            vote = mgr.exchange(plan, save_grads=True)
-            if vote:
-                self.precision_plugin._after_closure(lm, optimizer)  # hooks and clipping on the averaged grads
-            t2 = time.perf_counter()
-            ok = mgr.commit(vote)
-            self._phase["commit_ms"] = (time.perf_counter() - t2) * 1e3
-            if ok:
-                break
-            mgr.restore_grads()
-        if auto and not closure_done:  # batch already trained by the job: Lightning still wants a result
+        pending, self._pending = self._pending, None
+        loss, computed = None, not auto  # manual optimization: the user's backward already ran
+        if pending is not None and auto:  # forward/backward overlap the quorum; hooks send buckets
+            loss, computed = closure(), True
+            self._phase["closure_ms"] = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+
+        def after_exchange() -> None:  # hooks and clipping on the averaged gradients, identically everywhere
+            self.precision_plugin._after_closure(self.lightning_module, optimizer)
+
+        res = self.mgr.run_step(lambda plan: closure(), batch=k, pending=pending, computed=computed, loss=loss,
+                                recompute=(lambda plan: self._recompute(window, closure, optimizer)) if auto else None,
+                                after_exchange=after_exchange)
+        self._phase["step_ms"] = (time.perf_counter() - t1) * 1e3
+        if res.stale:  # a rewind moved the slot's cursor back: restart the loader there
+            self.sampler.restart()
+        plan = self.mgr.last_plan
+        if plan is not None and plan.quorum.stop and res.committed:
+            self.stop_agreed = True  # the job decided to stop at this step: every replica stops now
+            self.lightning_module.trainer.should_stop = True
+        if self.committed_in_call:
+            self._schedulers.flush()
+        if auto and not res.trained and not computed:  # Lightning still wants the closure's result
             closure()
             optimizer.zero_grad(set_to_none=True)
-        self._set_lightning_step(mgr.step - 1)  # Lightning adds the one it thinks it made
-        self._maybe_checkpoint()
-        self._log_step(loss, caught_up, time.perf_counter() - t0)
+        self._set_lightning_step(self.mgr.step - 1)  # Lightning adds the one it thinks it made
+        if self._ckpt is not None:
+            self._ckpt.maybe_save(self.lightning_module, self.optimizers[0], self._schedulers,
+                                  self.committed_in_call, self.global_rank)
+            self._phase["ckpt_stage_ms"] = self._ckpt.stage_ms
+        self._log_step(res.loss, res.caught_up or res.synced, time.perf_counter() - t0)
         return None
 
     def _log_step(self, loss: Any, caught_up: bool, seconds: float) -> None:
-        """run_dir/replica_{rid}/steps.jsonl (rank 0): one row per optimizer step, for reports."""
-        if self.global_rank != 0 or self.mgr.last_plan is None:
-            return
-        if self._steps_file is None:
-            d = os.path.join(os.environ.get("LFT_RUN_DIR", "."), f"replica_{self.rid}")
-            os.makedirs(d, exist_ok=True)
-            self._steps_file = open(os.path.join(d, "steps.jsonl"), "a", buffering=1)
-        plan, st = self.mgr.last_plan, self.mgr.stats
-        row = {"t": time.time(), "rid": self.rid, "inc": self.incarnation, "step": self.mgr.step,
-               "loss": float(loss) if torch.is_tensor(loss) or isinstance(loss, float) else None,
-               "contributors": list(plan.quorum.contributors), "epoch": plan.quorum.epoch,
-               "lr_factor": plan.lr_factor, "caught_up": caught_up, "call_s": round(seconds, 6),
-               "quorum_ms": round(st.quorum_s * 1e3, 3), "reconf_ms": round(st.reconfigure_s * 1e3, 3),
-               "exchange_ms": round(st.exchange_s * 1e3, 3), "freeze_ms": round(st.freeze_s * 1e3, 3), "catchup_ms": round(st.catchup_s * 1e3, 3),
-               "retries": st.retries, **{k: round(v, 3) for k, v in self._phase.items()}}
-        self._steps_file.write(json.dumps(row) + "\n")
+        if self.global_rank == 0 and self._steplog is not None:
+            self._steplog.write(self.mgr, loss, caught_up, seconds, self._phase)
 
-    def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> None:
+    def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> Any:
         """Redo the window's forward/backward on the caught-up weights (automatic optimization)."""
         self.recomputes += 1
         optimizer.zero_grad(set_to_none=True)
@@ -532,8 +436,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self.backward(loss / n, optimizer)
         return closure()
 
-    def _set_lightning_step(self, n: int) -> None:
-        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+    def _set_lightning_step(self, n: int, in_batch: bool = True) -> None:
+        """Lightning's counters from the job: `n` optimizer steps (Lightning adds the one it
+        thinks it made), and batch and epoch progress from the committed count, so that every
+        replica, restarted ones included, is at the same epoch and batch position and runs
+        validation, epoch ends and `max_epochs` at the same committed steps. An epoch is one
+        pass of the slot streams (`steps_per_epoch` committed steps) for the whole job."""
+        fit = self.lightning_module.trainer.fit_loop
+        loop = fit.epoch_loop
         if self.lightning_module.automatic_optimization:
             t = loop.automatic_optimization.optim_progress.optimizer.step.total
         else:
@@ -541,17 +451,23 @@ class FTHSDPStrategy(ModelParallelStrategy):
         t.ready = max(t.ready - t.completed + n, n)
         t.completed = n
         loop._batches_that_stepped = n
+        spe = self.sampler.steps_per_epoch() if self.sampler is not None else 0
+        if not spe:
+            return
+        done = self.mgr.step  # committed steps
+        micro = self._micro_batches()
+        pos = done % spe if done % spe or done == 0 else spe  # position within the job's epoch
+        lag = 1 if in_batch else 0  # inside a batch, Lightning increments processed/completed after us
+        for tracker, count in ((loop.batch_progress.total, done * micro), (loop.batch_progress.current, pos * micro)):
+            tracker.ready = tracker.started = count
+            tracker.processed = tracker.completed = max(0, count - lag)
+        epoch = (done - 1) // spe if done else 0
+        ep = fit.epoch_progress.current
+        ep.ready = ep.started = epoch + 1
+        ep.processed = ep.completed = epoch
 
     def metrics(self) -> dict[str, float]:
-        plan = self.mgr.last_plan if self.mgr is not None else None
-        if plan is None:
-            return {}
-        st = self.mgr.stats
-        gb = (self.mgr._flat.numel() * self.mgr._flat.element_size() / 1e9) if self.mgr._flat is not None else 0.0
-        return {"ft/healthy": float(len(plan.quorum.contributors)), "ft/total": float(self.num_replicas),
-                "ft/epoch": float(plan.quorum.epoch), "ft/lr_factor": plan.lr_factor,
-                "ft/ftar_gbps": gb / st.exchange_s if st.exchange_s > 0 else 0.0,
-                "ft/retries": float(st.retries), "ft/catchup_ms": st.catchup_s * 1e3}
+        return metrics(self.mgr, self.num_replicas)
 
     # -- side effects: one writer, clear failures, clean exit ------------------------------------------
     @property
@@ -562,21 +478,28 @@ class FTHSDPStrategy(ModelParallelStrategy):
             return self.mgr is None or self.rid == 0
         return self.rid == min(plan.quorum.contributors)
 
+    @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         if self.is_checkpoint_writer:
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_checkpoint_writer:
             super().remove_checkpoint(filepath)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
-        from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, QuorumTimeout
+        from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, JobHalted, QuorumTimeout
         from lightning_ft.coord.store import StoreError
         from lightning_ft.ftar.transport.base import FatalError
+        from lightning_ft.replica.manager import ReplicaStateLost, StaleManualStep
 
         hint = {
+            JobHalted: "the job stopped: every replica exits; the launcher does not restart them",
             Evicted: "this replica was evicted (declared failed by the others); the launcher restarts it",
+            ReplicaStateLost: "the launcher restarts this replica, which then catches up from a healthy one",
+            StaleManualStep: "the launcher restarts this replica, which then catches up before its first batch",
             QuorumTimeout: "no quorum formed in time: too few healthy replicas (min_replicas) or etcd is slow",
             ConfigMismatch: "this replica's config differs from the running job's; launch it with the same config",
             StoreError: "etcd is unreachable: check `--etcd` / LFT_ETCD and that the server runs",
@@ -589,39 +512,34 @@ class FTHSDPStrategy(ModelParallelStrategy):
                       f"{type(exception).__name__}: {exception}" + (f"\n  -> {text}" if text else ""),
                       file=sys.stderr, flush=True)
                 break
+        if isinstance(exception, JobHalted) and self.mgr is not None:
+            self.mgr.on_halt()
+            self._close()
+            sys.stderr.flush()
+            os._exit(EXIT_HALTED)
         self._close()
 
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.mgr is not None and not self._job_done:
             self.mgr.mark_finished()
-            self._write_final()
-
-    def _write_final(self) -> None:
-        """run_dir/replica_{rid}/final.json: committed steps and a digest of every rank's state."""
-        from lightning_ft.replica.digest import state_digest
-
-        digests = self.mgr._gather(state_digest(self.lightning_module, self.optimizers[0]))
-        if self.global_rank == 0:
-            d = os.path.join(os.environ.get("LFT_RUN_DIR", "."), f"replica_{self.rid}")
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "final.json"), "w") as f:
-                json.dump({"rid": self.rid, "incarnation": self.incarnation, "step": self.mgr.step,
-                           "cursor": self.mgr.cursor, "digest": digests, "recomputes": self.recomputes}, f)
+            write_final(self.mgr, self.lightning_module, self.optimizers[0], self.global_rank, self.recomputes)
 
     def _close(self) -> None:
         if self._ckpt is not None:
-            self._ckpt.wait(120)  # let the last checkpoint finish writing
+            self._ckpt.close()
             self._ckpt = None
-        if self._steps_file is not None:
-            self._steps_file.close()
-            self._steps_file = None
+        if self._steplog is not None:
+            self._steplog.close()
+            self._steplog = None
         if self.mgr is not None:
             try:
                 self.mgr.close()
             finally:
                 self.mgr = None
 
+    @override
     def teardown(self) -> None:
         self._close()
         super().teardown()

@@ -29,6 +29,7 @@ class FTBatchSampler(Sampler):
         self._start = start
         self.tags: collections.deque[tuple[int, int]] = collections.deque()
         self.first = 0
+        self._generation = 0
 
     @property
     def per_rank(self) -> int:
@@ -41,12 +42,21 @@ class FTBatchSampler(Sampler):
     def __len__(self) -> int:
         return self.steps_per_epoch() * self.micro
 
+    def restart(self) -> None:
+        """The slot's cursor moved back (a rewind): end the current pass at its next batch, so
+        that the loader's next pass starts at the cursor. Batches already prefetched still
+        arrive; the strategy sees from their tags that they are not the next to train."""
+        self._generation += 1
+
     def __iter__(self) -> Iterator[list[int]]:
         self.tags.clear()
         self.first = k0 = self._start()
+        gen = self._generation
         n = self.per_rank * self.world
         for k in range(k0, k0 + self.steps_per_epoch()):
             ids = self.stream.batch(self.slot, k)
             for j in range(self.micro):
+                if gen != self._generation:
+                    return
                 self.tags.append((k, j))
                 yield ids[j * n:(j + 1) * n][self.rank::self.world]

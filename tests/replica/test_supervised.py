@@ -46,12 +46,17 @@ def test_supervised_job_survives_kill_hang_and_exception(etcd_endpoint, tmp_path
     assert ("hang", 2) in kinds
     logs = tmp_path / "logs"
     finals = {}
+    # On a loaded machine a restart can outlast the gap to the next failure; then every replica
+    # holding the state is down at once and the job rewinds (to step 0: no checkpoints here)
+    # instead of catching up. Either way nothing is lost, and the replicas end identical.
+    rewound = [e for e in events if e["event"] == "rewind"]
     for rid in range(3):
         last = max(int(p.split(".i")[1].split(".")[0]) for p in os.listdir(logs) if p.startswith(f"r{rid}.i"))
         assert last == 1
         rows = rows_of(str(logs / f"r{rid}.i{last}.rank0.log"))
         finals[rid] = [r for r in rows if r["event"] == "final"][0]["digest"]
-        assert any(r["event"] == "step" and r["lag"] for r in rows), f"replica {rid} never caught up"
+        if not rewound:
+            assert any(r["event"] == "step" and r["lag"] for r in rows), f"replica {rid} never caught up"
         assert rows[-1]["step"] == 230
     assert len({tuple(d) for d in finals.values()}) == 1, finals
     store = EtcdStore(etcd_endpoint)

@@ -8,6 +8,7 @@ one JSON line per training batch end: {"event": "batch", "step": global_step, "l
     --accumulate N: accumulate_grad_batches
     --manual      : manual optimization
     --steplr      : a StepLR(step_size=3, gamma=0.5) stepped every step
+    --unseeded    : no seed: replicas start from different weights (the strategy must sync them)
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class MLP(L.LightningModule):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__()
         self.a = a
-        torch.manual_seed(0)
+        if not a.unseeded:
+            torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
         self.automatic_optimization = not a.manual
 
@@ -67,6 +69,9 @@ class MLP(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (self.a.stop_at >= 0 and self.trainer.global_step >= self.a.stop_at
+                and int(os.environ.get("LFT_REPLICA_ID", "-1")) == self.a.stop_replica):
+            self.trainer.should_stop = True  # this replica alone asks to stop
         if self.global_rank == 0:
             loss = outputs["loss"].item() if isinstance(outputs, dict) else float(outputs)
             row = {"event": "batch", "step": self.trainer.global_step, "loss": loss,
@@ -138,7 +143,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lr-mode", default=None)
     p.add_argument("--fail-commit-at", type=int, default=-1, help="vote 'failed' once after this step's exchange")
     p.add_argument("--fail-replicas", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--stop-at", type=int, default=-1, help="set trainer.should_stop at this step ...")
+    p.add_argument("--stop-replica", type=int, default=0, help="... in this replica only")
+    p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed: every replica inits differently")
+    p.add_argument("--exit-before-training", type=int, default=-1,
+                   help="this replica exits with code 1 before its first step (a crash loop)")
     a = p.parse_args(argv)
+    if a.exit_before_training == int(os.environ.get("LFT_REPLICA_ID", "-1")):
+        print("a typo in user code", file=sys.stderr, flush=True)
+        return 1
     torch.set_num_threads(1)
     callbacks = []
     if a.ddp:

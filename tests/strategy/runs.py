@@ -27,21 +27,33 @@ class Run:
     ledger: object = None
 
     def log(self, rid: int, inc: int = 0) -> str:
-        return open(os.path.join(self.run_dir, "logs", f"r{rid}.i{inc}.rank0.log")).read()
+        path = os.path.join(self.run_dir, "logs", f"r{rid}.i{inc}.rank0.log")
+        return open(path, errors="replace").read() if os.path.exists(path) else ""
 
     def replica_rows(self, rid: int) -> list[dict]:
         return [r for (i, _), rows in sorted(self.rows.items()) if i == rid for r in rows]
+
+
+def lft_cmd(run_dir: str, job: str, etcd_endpoint: str, *script_args: str, replicas: int = 2, nproc: int = 1,
+            overrides: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT) -> list[str]:
+    return [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(replicas),
+            "--nproc-per-replica", str(nproc), "--etcd", etcd_endpoint, "--job", job, "--run-dir", run_dir,
+            "--no-status", "--timeout", str(timeout - 20), "--max-restarts", "3", script, *script_args,
+            "etcd.lease_ttl_s=1", "failure.restart_delay_s=0.2", "quorum.init_timeout_s=60", *overrides]
 
 
 def lft_run(tmp_path, etcd_endpoint: str, *script_args: str, replicas: int = 2, nproc: int = 1,
             overrides: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT) -> Run:
     job = "lit" + uuid.uuid4().hex[:8]
     run_dir = str(tmp_path / job)
-    cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(replicas),
-           "--nproc-per-replica", str(nproc), "--etcd", etcd_endpoint, "--job", job, "--run-dir", run_dir,
-           "--no-status", "--timeout", str(timeout - 20), "--max-restarts", "3", script, *script_args,
-           "etcd.lease_ttl_s=1", "failure.restart_delay_s=0.2", "quorum.init_timeout_s=60", *overrides]
+    cmd = lft_cmd(run_dir, job, etcd_endpoint, *script_args, replicas=replicas, nproc=nproc, overrides=overrides,
+                  timeout=timeout, script=script)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return collect(run_dir, job, etcd_endpoint, replicas, proc)
+
+
+def collect(run_dir: str, job: str, etcd_endpoint: str, replicas: int, proc) -> Run:
+    """Read back a finished run: batch rows, final digests, events and the ledger."""
     run = Run(run_dir, proc)
     logs = os.path.join(run_dir, "logs")
     for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
@@ -68,7 +80,7 @@ def lft_run(tmp_path, etcd_endpoint: str, *script_args: str, replicas: int = 2, 
 
 def ok(run: Run) -> str:
     """Diagnostics for a failed assertion: the launcher's output and each replica's log tail."""
-    out = [run.proc.stdout[-1500:], run.proc.stderr[-1500:]]
+    out = [(run.proc.stdout or "")[-1500:], (run.proc.stderr or "")[-1500:]]
     for (rid, inc) in sorted(run.rows):
         out.append(f"--- r{rid}.i{inc}\n" + "\n".join(l for l in run.log(rid, inc).splitlines()
                                                       if not l.startswith('{"event": "batch"'))[-2500:])

@@ -1,0 +1,68 @@
+"""Persistent checkpoints of a replica under Lightning (DESIGN §8; docs/ARCHITECTURE.md).
+
+Every `checkpoint.every_n_steps` committed steps the lowest-id contributor writes one
+(asynchronously: the step waits only for an in-memory copy). The ledger record of the step
+is flushed first, so a checkpoint never holds a step the ledger does not know."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_ft.replica import data as ledger
+from lightning_ft.replica.checkpoint import CheckpointWriter, publish, unpublish_missing
+from lightning_ft.strategy.runlog import replica_dir
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaCheckpoints:
+    def __init__(self, mgr: Any, root: str, keep: int, every: int, rank: int, world: int, rid: int) -> None:
+        self.mgr, self.root, self.every, self.rid = mgr, root, every, rid
+        pg = dist.new_group(backend="gloo") if world > 1 else None
+        self.writer = CheckpointWriter(root, keep, rank, pg, on_done=self._done)
+        self.stage_ms = 0.0
+
+    def maybe_save(self, model: Any, optimizer: Any, schedulers: Any, committed: int, rank: int) -> None:
+        mgr = self.mgr
+        plan = mgr.last_plan
+        if plan is None or committed == 0 or mgr.step % self.every or self.rid != min(plan.quorum.contributors):
+            return
+        schedulers.flush()  # the state after this step, scheduler included
+        q = plan.quorum
+        cursors = {}
+        if rank == 0:
+            mgr.flush_ledger()
+            for slot in range(mgr.R):
+                if slot in q.contributors:
+                    cursors[slot] = q.cursor_of(slot) + 1
+                else:
+                    cursors[slot] = ledger.read_cursor(mgr.store, mgr.root, slot, mgr.gen)
+        meta = {"step": mgr.step, "job": mgr.job, "replicas": mgr.R, "writer": mgr.rid, "gen": mgr.gen,
+                "cursors": {str(k): v for k, v in cursors.items()},
+                "quorum": {"round": q.round, "epoch": q.epoch, "members": list(q.members),
+                           "contributors": list(q.contributors)}}
+        extra = {"step": mgr.step, "schedulers": schedulers.state_dict(),
+                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        self.writer.protect = q.verified_step
+        stats = self.writer.save(mgr.step, model, optimizer, extra, meta)
+        self.stage_ms = stats.stage_s * 1e3
+
+    def _done(self, step: int, path: str, stats: Any) -> None:
+        """Writer rank 0, background thread: publish and record the complete checkpoint."""
+        mgr = self.mgr
+        try:
+            publish(mgr.store, mgr.root, step, path, mgr.gen)
+            unpublish_missing(mgr.store, mgr.root, self.root)
+        except Exception as e:
+            log.warning("could not publish checkpoint %s in etcd: %s", path, e)
+        with open(os.path.join(replica_dir(self.rid), "checkpoints.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "step": step, "path": path, "stage_s": round(stats.stage_s, 4),
+                                "write_s": round(stats.write_s, 4), "bytes": stats.bytes}) + "\n")
+
+    def close(self) -> None:
+        self.writer.wait(120)  # let the last checkpoint finish writing

@@ -1,0 +1,159 @@
+"""Validation and test across replicas (docs/ARCHITECTURE.md, "Lightning semantics").
+
+DDP shards evaluation over its ranks and `sync_dist=True` reduces logged metrics over all
+of them. Under ft_hsdp a replica's ranks are one DDP-like world, and the replicas are many:
+
+- `ShardSampler` gives every live replica (the members of the last round) its share of the
+  evaluation set, and every rank of the replica its share of that (padded within the
+  replica, as DistributedSampler pads, so that FSDP2's collectives see equal batch counts);
+- `CrossReplicaReducer` reduces a metric over the replicas through etcd: each leader
+  writes its replica's value under a key named by (stage, generation, committed step, run,
+  call number), waits for every member (or its failure), and the first leader with a
+  complete view creates the result with a create-if-absent transaction. Everyone uses the
+  stored result, so every replica logs the same value even when one dies midway.
+
+The calls line up because every replica evaluates at the same committed steps (Lightning's
+counters follow the job, see FTHSDPStrategy._set_lightning_step) and logs the same metrics
+in the same order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+from lightning_ft.coord import keys
+
+
+class ShardSampler(Sampler):
+    """Indices of this rank's share of an evaluation set of `n` samples."""
+
+    def __init__(self, n: int, shard: Callable[[], tuple[int, int, int, int]]) -> None:
+        """`shard()` -> (replica index, number of replicas, rank, ranks per replica), asked at
+        every pass (membership changes between evaluations)."""
+        self.n = n
+        self._shard = shard
+
+    def _indices(self) -> list[int]:
+        i, k, rank, world = self._shard()
+        mine = list(range(i, self.n, k))  # this replica's share: every k-th sample
+        if world > 1 and mine:
+            per = math.ceil(len(mine) / world)
+            mine = (mine * world)[:per * world]  # pad within the replica (equal batch counts for FSDP2)
+            return mine[rank::world]
+        return mine
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices())
+
+    def __len__(self) -> int:
+        return len(self._indices())
+
+
+class CrossReplicaReducer:
+    """Reduces evaluation metrics over the live replicas (see the module docstring)."""
+
+    poll_s = 0.005
+
+    def __init__(self, mgr: Any, timeout_s: float) -> None:
+        self.mgr = mgr
+        self.timeout_s = timeout_s
+        self._runs: dict[tuple, int] = {}
+        self._prefix = ""
+        self._seq = 0
+        self._members: tuple[tuple[int, int], ...] = ()
+
+    def begin(self, stage: str) -> None:
+        """An evaluation run starts (same order on every replica)."""
+        mgr = self.mgr
+        q = mgr.last_plan.quorum if mgr.last_plan is not None else None
+        self._members = tuple(zip(q.members, q.incarnations)) if q is not None else ((mgr.rid, mgr.incarnation),)
+        ident = (stage, mgr.gen, mgr.step)
+        self._runs[ident] = self._runs.get(ident, 0) + 1
+        self._prefix = f"{mgr.root}eval/{stage}/{mgr.gen:04d}/{mgr.step:012d}/{self._runs[ident]}/"
+        self._seq = 0
+
+    def shard(self) -> tuple[int, int]:
+        """(this replica's index, number of replicas) for the evaluation being started."""
+        rids = [r for r, _ in self._members]
+        return (rids.index(self.mgr.rid) if self.mgr.rid in rids else 0), max(1, len(rids))
+
+    @property
+    def active(self) -> bool:
+        return bool(self._prefix)
+
+    def end(self) -> None:
+        self._prefix = ""
+
+    def reduce(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        """`value` (this replica's, already reduced over its ranks) reduced over the replicas
+        with op in sum | mean | max | min. Every rank calls it; the leader talks to etcd."""
+        mgr = self.mgr
+        key = f"{self._prefix}{self._seq:05d}/"
+        self._seq += 1
+        out: Any = None
+        if mgr.is_leader:
+            try:
+                out = self._leader_reduce(key, value.detach().to("cpu", torch.float64).reshape(-1).tolist(), op)
+            except Exception as e:  # surfaced on every rank
+                out = e
+        out = mgr._broadcast(out)
+        if isinstance(out, Exception):
+            raise out
+        return torch.tensor(out, dtype=value.dtype, device=value.device).reshape(value.shape)
+
+    def _leader_reduce(self, key: str, mine: list[float], op: str) -> list[float]:
+        store = self.mgr.store
+        store.put(f"{key}{self.mgr.rid}", json.dumps(mine).encode())
+        result_key = f"{key}result"
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            kv = store.get(result_key)
+            if kv is not None:
+                return json.loads(kv.value)["value"]
+            kvs, _ = store.get_prefix(key)
+            got = {int(k.key.rsplit("/", 1)[1]): json.loads(k.value) for k in kvs
+                   if k.key.rsplit("/", 1)[1].isdigit()}
+            waiting = [r for r, inc in self._members if r not in got and self._alive(r, inc)]
+            if not waiting or time.monotonic() > deadline:
+                vals = [got[r] for r in sorted(got)]
+                value = _combine(vals, op)
+                store.create(result_key, json.dumps({"value": value, "from": sorted(got)}).encode())
+                continue  # read back what won the create
+            time.sleep(self.poll_s)
+
+    def _alive(self, rid: int, inc: int) -> bool:
+        store, root = self.mgr.store, self.mgr.root
+        if store.get(keys.evict(root, rid, inc)) is not None:
+            return False
+        kv = store.get(keys.members(root, rid))
+        return kv is not None and json.loads(kv.value).get("incarnation") == inc
+
+
+def _combine(vals: list[list[float]], op: str) -> list[float]:
+    cols = list(zip(*vals))
+    if op == "sum":
+        return [sum(c) for c in cols]
+    if op == "mean":
+        return [sum(c) / len(c) for c in cols]
+    if op == "max":
+        return [max(c) for c in cols]
+    if op == "min":
+        return [min(c) for c in cols]
+    raise ValueError(f"cannot reduce metrics across replicas with op {op!r}; use sum, mean, max or min")
+
+
+def op_name(reduce_op: Optional[Any]) -> str:
+    """Lightning's reduce_op (None, a string, or a torch ReduceOp) as sum | mean | max | min."""
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        return {"avg": "mean", "average": "mean"}.get(name, name)
+    from torch.distributed import ReduceOp
+
+    return {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}.get(reduce_op, "mean")

@@ -1,0 +1,38 @@
+"""FSDP2 inside a replica when the LightningModule did not apply it (docs/ARCHITECTURE.md)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+
+class ShardingError(RuntimeError):
+    pass
+
+
+def auto_shard(module: torch.nn.Module, mesh: Any, world_size: int,
+               shard_layers: Optional[Sequence[Union[type, str]]] = None) -> None:
+    """`fully_shard` the members of every `nn.ModuleList` (or the given layer classes), then
+    each top-level child with parameters. Nothing when W = 1 (FSDP2 would only add overhead)
+    or when `configure_model` already parallelized the module."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return
+    if world_size == 1:
+        return
+    if shard_layers is not None:
+        names = {c if isinstance(c, str) else c.__name__ for c in shard_layers}
+        layers = [m for m in module.modules() if type(m).__name__ in names and m is not module]
+    else:
+        layers = [m for ml in module.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
+    for m in layers:
+        fully_shard(m, mesh=mesh)
+    for _, child in module.named_children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    loose = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if loose:
+        raise ShardingError(f"parameters {loose[:5]} live directly on the LightningModule, so the strategy cannot "
+                            "fully_shard them; put them in a submodule, or apply fully_shard in configure_model()")

@@ -1,0 +1,91 @@
+"""Acceptance: programs none of us wrote, unmodified and unseeded, under real faults at random
+moments. Every replica (the restarted ones included) ends at max_steps with bitwise-identical
+state, and the exactly-once ledger is exact."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.acceptance.faults import run_with_faults
+from tests.strategy.runs import ok
+
+APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boring_app.py")
+
+
+def assert_consistent(run, steps: int, replicas: int, faults: str) -> None:
+    why = faults + "\n" + ok(run)
+    assert run.proc.returncode == 0, why
+    assert set(run.finals) == set(range(replicas)), why
+    assert {f["step"] for f in run.finals.values()} == {steps}, why
+    digests = {tuple(f["digest"]) for f in run.finals.values()}
+    assert len(digests) == 1, f"replicas differ: {run.finals}\n{why}"
+    assert run.ledger.ok, (run.ledger.duplicates, run.ledger.gaps, run.ledger.conflicts, why)
+    assert run.ledger.steps == steps, why
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_boring_model_unseeded_survives_a_random_kill_and_a_stop(tmp_path, etcd_endpoint, seed):
+    steps = 60  # about three epochs of BoringDataModule over 3 slots: StepLR steps per (job) epoch
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "boring", str(steps), replicas=3, steps=steps,
+                                  seed=seed, kill=True, stop_s=3.5)
+    assert_consistent(run, steps, 3, faults)
+    syncs = [e for e in run.events if e["event"] == "sync"]
+    assert syncs and {e["source"] for e in syncs} == {0}, "replicas adopted replica 0's state at the start"
+
+
+def test_demo_transformer_unseeded_survives_a_random_kill(tmp_path, etcd_endpoint):
+    steps = 40
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "transformer", str(steps), replicas=2, steps=steps,
+                                  seed=2, kill=True)
+    assert_consistent(run, steps, 2, faults)
+
+
+TYPICAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "typical_app.py")
+
+
+def _rows(run, event):
+    import json
+
+    out = []
+    for name in sorted(os.listdir(os.path.join(run.run_dir, "logs"))):
+        if name.endswith(".rank0.log"):
+            out += [json.loads(l) for l in open(os.path.join(run.run_dir, "logs", name), errors="replace")
+                    if l.startswith(f'{{"event": "{event}"')]
+    return out
+
+
+def test_typical_program_with_callbacks_bf16_clipping_accumulation_under_faults(tmp_path, etcd_endpoint):
+    steps = 60
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, TYPICAL, str(steps), replicas=3, steps=steps, seed=3,
+                                  kill=True, stop_s=3.5)
+    assert_consistent(run, steps, 3, faults)
+    vals = _rows(run, "val")
+    by_step: dict[int, set] = {}
+    for v in vals:
+        by_step.setdefault(v["step"], set()).add(round(v["val_loss"], 6))
+    assert by_step and all(len(s) == 1 for s in by_step.values()), (by_step, faults)  # the same val_loss everywhere
+    tests = _rows(run, "test")
+    assert len(tests) == 3 and len({round(t["test_loss"], 6) for t in tests}) == 1, tests
+    ckpts = os.listdir(os.path.join(run.run_dir, "lightning_ckpts"))
+    assert 1 <= len(ckpts) <= 2, ckpts  # one writer, save_top_k=2
+
+
+def test_val_loss_is_the_whole_validation_set_evaluated_once(tmp_path, etcd_endpoint):
+    from tests.strategy.runs import lft_run
+
+    run = lft_run(tmp_path, etcd_endpoint, "30", "--precision", "32-true", replicas=3, script=TYPICAL)
+    assert run.proc.returncode == 0, ok(run)
+    vals = _rows(run, "val")
+    assert len(vals) >= 9 and len(vals) % 3 == 0, vals  # every 10 batches (5 steps), on 3 replicas
+    for v in vals:
+        assert abs(v["val_loss"] - v["full"]) <= 1e-5 * abs(v["full"]), v
+
+
+def test_early_stopping_stops_every_replica_at_the_same_step(tmp_path, etcd_endpoint):
+    from tests.strategy.runs import lft_run
+
+    run = lft_run(tmp_path, etcd_endpoint, "60", "--stop-below", "100", replicas=2, script=TYPICAL)
+    assert run.proc.returncode == 0, ok(run)
+    assert {f["step"] for f in run.finals.values()} == {5}, run.finals  # the first validation (10 batches) stops it
+    assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1

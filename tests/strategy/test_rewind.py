@@ -1,0 +1,62 @@
+"""No fault pattern loses training (docs/ARCHITECTURE.md, "Rewinds"): when every replica is
+down at once the job rewinds to its newest checkpoint by itself, the superseded commits
+are marked, and the final history is exactly once; a crash loop ends with its cause."""
+from __future__ import annotations
+
+import json
+import os
+
+from tests.strategy.runs import lft_run, ok
+
+ALL_DIE_AT_25 = "failure.events=[{replica: 0, step: 25, kind: kill}, {replica: 1, step: 25, kind: kill}]"
+
+
+def test_every_replica_down_at_once_rewinds_to_the_newest_checkpoint(tmp_path, etcd_endpoint):
+    steps = 40
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), "--steplr", "--unseeded", replicas=2,
+                  overrides=(ALL_DIE_AT_25, "checkpoint.every_n_steps=10"))
+    assert run.proc.returncode == 0, ok(run)
+    rewinds = [e for e in run.events if e["event"] == "rewind"]
+    assert len(rewinds) == 1, run.events
+    rw = rewinds[0]
+    assert rw["to"] == 20 and rw["from"] in (24, 25) and rw["checkpoint"].endswith("step_00000020"), rw
+    # every replica ends at max_steps, identical, and the final history trains each batch once
+    assert {f["step"] for f in run.finals.values()} == {steps}, run.finals
+    assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1, run.finals
+    led = run.ledger
+    assert led.ok and led.steps == steps and led.superseded > 0, led
+    assert [r["to"] for r in led.rewinds] == [20]
+    # the restarted replicas trained from step 21 with the checkpoint's schedule (StepLR)
+    back = run.rows[(0, 1)]
+    assert back[0]["step"] == 21, back[:3]
+    assert back[0]["lr"] == 0.01 * 0.5 ** (21 // 3)
+
+
+def test_without_checkpoints_a_total_loss_rewinds_to_step_0_and_says_so(tmp_path, etcd_endpoint):
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "30", replicas=2,
+                  overrides=(ALL_DIE_AT_25.replace("25", "8"), "checkpoint.every_n_steps=0"))
+    assert run.proc.returncode == 0, ok(run)
+    rw = [e for e in run.events if e["event"] == "rewind"]
+    assert len(rw) == 1 and rw[0]["to"] == 0 and rw[0]["checkpoint"] == "", rw
+    assert run.ledger.ok and run.ledger.steps == 30 and {f["step"] for f in run.finals.values()} == {30}
+
+
+def test_crash_loop_is_not_restarted_and_names_the_cause(tmp_path, etcd_endpoint):
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "80", "--step-sleep", "0.3", "--exit-before-training", "1",
+                  replicas=2, overrides=("quorum.init_timeout_s=3",))
+    out = run.proc.stdout
+    assert "replica 1 failed 3 times in a row with exit code 1 before committing any step" in out, ok(run)
+    assert "a typo in user code" in out  # the log tail
+    restarts = [e for e in run.events if e["event"] == "restart" and e["replica"] == 1]
+    assert len(restarts) == 2, run.events
+    assert run.finals[0]["step"] == 80  # replica 0 trained on alone (min_replicas=1)
+    assert run.proc.returncode == 1  # a replica was given up on
+
+
+def test_crash_loop_below_min_replicas_stops_the_job(tmp_path, etcd_endpoint):
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "200", "--step-sleep", "0.05", "--exit-before-training", "1",
+                  replicas=2, overrides=("quorum.init_timeout_s=2", "min_replicas=2"))
+    out = run.proc.stdout
+    assert "fewer than min_replicas=2; stopping the job" in out, ok(run)
+    assert run.proc.returncode != 0
+    assert 0 not in run.finals
