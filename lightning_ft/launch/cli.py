@@ -58,10 +58,21 @@ def _cmd_run(a: argparse.Namespace) -> int:
     import os
     import secrets
 
-    from lightning_ft.config import ConfigError, checkpoint_dir, load_config, parse_overrides, to_yaml
+    from lightning_ft.config import ConfigError, checkpoint_dir, load_config, to_yaml
+    from lightning_ft.hydra import LAUNCHER_READ_ENV
+    from lightning_ft.launch.argsplit import SEPARATOR
     from lightning_ft.launch.supervisor import Supervisor
 
-    overrides, script_args = parse_overrides(a.args)
+    if a.script == SEPARATOR and a.args:  # `lightning-ft run [flags] -- script.py ...`
+        a.script = a.args.pop(0)
+    if not os.path.exists(a.script):
+        print(f"lightning-ft run: no such script: {a.script}", file=sys.stderr)
+        return 2
+    try:
+        overrides, script_args, app = _split_run_args(a)
+    except ConfigError as e:
+        print(f"lightning-ft run: {e}", file=sys.stderr)
+        return 2
     resume_from = None
     if a.resume:
         if a.config is None and os.path.exists(os.path.join(a.resume, "config.yaml")):
@@ -72,12 +83,10 @@ def _cmd_run(a: argparse.Namespace) -> int:
         if val is not None:
             overrides.append(f"{key}={val}")
     try:
-        cfg = load_config(a.config, overrides)
+        cfg = load_config(a.config, overrides, app=app and app.ft,
+                          app_name=f"{a.script}: the Hydra config's node 'ft'")
     except ConfigError as e:
         print(f"lightning-ft run: {e}", file=sys.stderr)
-        return 2
-    if not os.path.exists(a.script):
-        print(f"lightning-ft run: no such script: {a.script}", file=sys.stderr)
         return 2
     if a.resume:
         from lightning_ft.config import checkpoint_dir
@@ -127,7 +136,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
                          checkpoint_root=checkpoint_dir(cfg),
                          env={"LFT_CONFIG": config_path, **({"LFT_RESUME": os.path.abspath(resume_from)}
-                                                            if resume_from else {})})
+                                                            if resume_from else {}),
+                              **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})
         sup.start()
         if a.no_status or not sys.stdout.isatty():
             rc = sup.run(timeout_s=a.timeout)
@@ -140,6 +150,32 @@ def _cmd_run(a: argparse.Namespace) -> int:
             sup.shutdown()
         if server is not None:
             server.cleanup()
+
+
+def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], "object"]:
+    """(FT overrides, the script's arguments, the Hydra app's config or None); see launch/argsplit.py."""
+    from lightning_ft.config import ConfigError
+    from lightning_ft.hydra import is_hydra_app, read_app_config
+    from lightning_ft.launch.argsplit import ArgSplitError, split_run_args, unprefixed_ft_keys
+
+    hydra_app = is_hydra_app(a.script)
+    run_flags = [s for action in a.run_parser._actions for s in action.option_strings]
+    try:
+        split = split_run_args(a.args, hydra_app=hydra_app, run_flags=run_flags)
+    except ArgSplitError as e:
+        raise ConfigError(str(e)) from None
+    if not hydra_app:
+        return split.ft_overrides, split.script_args, None
+    print(f"lightning-ft: reading the Hydra app's config ({a.script} --cfg job)", flush=True)
+    try:
+        app = read_app_config([sys.executable, a.script, *split.script_args])
+    except ConfigError as e:
+        hint = [h for h in unprefixed_ft_keys(split.script_args) if f"'{h.split('=', 1)[0]}'" in str(e)]
+        if hint:
+            raise ConfigError(f"{e}\nnote: with a Hydra app every key=value is the app's; lightning-ft's own keys "
+                              f"take the ft. prefix, e.g. ft.{hint[0]}") from None
+        raise
+    return split.ft_overrides, split.script_args, app
 
 
 def _seed_resume(endpoint: str, cfg, ckpt: str) -> None:
@@ -216,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole-job restart: resume RUN_DIR from its newest checkpoint that verifies")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments and key=value config overrides")
-    r.set_defaults(fn=_cmd_run)
+    r.set_defaults(fn=_cmd_run, run_parser=r)
     rep = sub.add_parser("report", help="timeline.png and summary.md of a run directory")
     rep.add_argument("run_dir")
     rep.add_argument("--no-png", action="store_true")
@@ -232,6 +268,11 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lightning_ft.launch.argsplit import protect_separator
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # keep a lone `--` after the script: argparse would drop it
+        argv = protect_separator(argv)
     a = build_parser().parse_args(argv)
     return a.fn(a)
 
