@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -144,6 +144,7 @@ def strategy_config(path: Optional[str], overrides: Sequence[str]) -> FTConfig:
             raise ConfigError(
                 f"the Hydra app's config has an {FT_NODE!r} node, but lightning-ft run did not read it (it found no "
                 f"@hydra.main in the script it started), so replicas and launcher could disagree. Start the file "
-                f"that has @hydra.main, or move the {FT_NODE!r} settings to the lightning-ft command line (ft.KEY=VALUE)")
+                f"that has @hydra.main, or move the {FT_NODE!r} settings to the lightning-ft command line "
+                "(ft.KEY=VALUE)")
         return load_config(launcher, overrides)
     return load_config(path, overrides, app=app, app_name=f"the Hydra app's config, node {FT_NODE!r}")

@@ -168,7 +168,7 @@ def test_an_app_node_the_launcher_did_not_read_is_an_error_not_ignored(app, tmp_
 def test_outside_a_hydra_app_nothing_changes(tmp_path):
     f = tmp_path / "config.yaml"
     f.write_text("seed: 5\n")
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import json, sys
         from lightning_ft.hydra import strategy_config
         c = strategy_config(None, ["replicas=4"])

@@ -4,9 +4,12 @@
                      [--replica-ids 0,1] [--run-dir DIR] [--no-status] script.py [script args] [key=value ...]
         Start R replicas of W processes of `script.py` under the supervisor: an embedded etcd
         unless --etcd is given, evictions written at once on a death, restarts, a live status
-        table and `events.jsonl` in the run directory. `key=value` arguments are config
-        overrides (configs/default.yaml); the resolved config is written to RUN_DIR/config.yaml
-        and its path passed to every process as LFT_CONFIG.
+        table and `events.jsonl` in the run directory. After the script, `ft.key=value` arguments
+        are config overrides (configs/default.yaml), and so is `key=value` with a config key when
+        the script is not a Hydra app; everything else, and all after a lone `--`, reaches the
+        script verbatim (launch/argsplit.py). A Hydra app's `ft:` node is read first (lightning_ft/
+        hydra.py). The resolved config is written to RUN_DIR/config.yaml and its path passed to
+        every process as LFT_CONFIG.
 
     lightning-ft etcd [--host 127.0.0.1] [--port 2379] [--data-dir DIR]
         Run a single-member etcd in the foreground for a job to use (Ctrl-C stops it).
@@ -88,6 +91,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"lightning-ft run: {e}", file=sys.stderr)
         return 2
+    if app is not None:  # LFT_RUN_DIR must not depend on the cwd: a Hydra app may chdir (hydra.job.chdir)
+        cfg.run_dir = os.path.abspath(cfg.run_dir)
     if a.resume:
         from lightning_ft.config import checkpoint_dir
         from lightning_ft.replica.checkpoint import newest_valid
@@ -251,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="whole-job restart: resume RUN_DIR from its newest checkpoint that verifies")
     r.add_argument("script")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments and key=value config overrides")
+    r.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the script's arguments, and ft.key=value config overrides (README: Hydra apps)")
     r.set_defaults(fn=_cmd_run, run_parser=r)
     rep = sub.add_parser("report", help="timeline.png and summary.md of a run directory")
     rep.add_argument("run_dir")

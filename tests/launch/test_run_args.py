@@ -103,6 +103,18 @@ def test_hydra_app_config_composes_with_the_command_line_and_output_is_per_repli
     assert not (tmp_path / "outputs").exists() and not os.path.exists("outputs")
 
 
+def test_a_hydra_app_that_changes_directory_still_writes_under_the_run_dir(tmp_path, etcd_endpoint):
+    app = hydra_app(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--etcd", etcd_endpoint, "--job",
+                        "chdir" + uuid.uuid4().hex[:8], "--run-dir", "rel/run", "--no-status", "--timeout", "60",
+                        app, "hydra.job.chdir=true"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = str(tmp_path / "rel" / "run")
+    assert [e["output_dir"] for e in echoes(run_dir, 2)] == [
+        os.path.join(run_dir, f"replica_{rid}", "hydra", "i0.rank0") for rid in (0, 1)]
+    assert yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))["run_dir"] == run_dir
+
+
 def test_hydra_multirun_is_refused_before_anything_starts(tmp_path, etcd_endpoint):
     app = hydra_app(tmp_path)
     r, run_dir = lft_run(tmp_path, etcd_endpoint, "-m", "model.lr=0.1,0.2", script=app)
