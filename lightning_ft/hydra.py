@@ -84,8 +84,8 @@ def read_app_config(cmd: Sequence[str], timeout_s: float = 180.0) -> AppConfig:
     """Run the Hydra app command `cmd` (interpreter, script, its arguments) with `--cfg job`.
 
     Hydra composes the config and prints it without running the task, so this sees exactly the
-    config every replica will get. Raises ConfigError with Hydra's message when the app refuses
-    its arguments.
+    config every replica will get. Raises ConfigError with Hydra's message (or the app's
+    traceback) when that fails.
     """
     where = f"the Hydra app {os.path.basename(cmd[1])}"
     p = subprocess.Popen([*cmd, "--cfg", "job"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -99,8 +99,8 @@ def read_app_config(cmd: Sequence[str], timeout_s: float = 180.0) -> AppConfig:
                           "does it do slow work at import time?") from None
     if p.returncode != 0:
         tail = "\n".join(err.strip().splitlines()[-12:])
-        raise ConfigError(f"{where} refused its arguments ({' '.join(cmd[1:])} --cfg job exited "
-                          f"{p.returncode}):\n{tail}")
+        raise ConfigError(f"{where} could not compose its config from these arguments ({' '.join(cmd[1:])} "
+                          f"--cfg job exited {p.returncode}):\n{tail}")
     return parse_app_config(out, where)
 
 
