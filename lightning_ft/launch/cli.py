@@ -24,6 +24,10 @@ import argparse
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_ft.hydra import AppConfig
 
 
 def _cmd_etcd(a: argparse.Namespace) -> int:
@@ -86,7 +90,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         if val is not None:
             overrides.append(f"{key}={val}")
     try:
-        cfg = load_config(a.config, overrides, app=app and app.ft,
+        cfg = load_config(a.config, overrides, app=app.ft if app is not None else None,
                           app_name=f"{a.script}: the Hydra config's node 'ft'")
     except ConfigError as e:
         print(f"lightning-ft run: {e}", file=sys.stderr)
@@ -157,7 +161,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
             server.cleanup()
 
 
-def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], "object"]:
+def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppConfig | None]:
     """(FT overrides, the script's arguments, the Hydra app's config or None); see launch/argsplit.py."""
     from lightning_ft.config import ConfigError
     from lightning_ft.hydra import is_hydra_app, read_app_config
