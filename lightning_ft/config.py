@@ -222,30 +222,37 @@ class FTConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> FTConfig:
-    """Defaults, then the YAML file at `path` (known keys only), then `overrides`; validated.
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), *,
+                app: Any = None, app_name: str = "the app's ft config") -> FTConfig:
+    """Defaults, then `app`, then the YAML file at `path` (known keys only), then `overrides`; validated.
 
+    `app` is a mapping with the same schema (e.g. the `ft:` node of a Hydra app's config, see
+    `lightning_ft.hydra`); its errors are prefixed with `app_name`.
     Returns a typed omegaconf DictConfig: assignments to it are still type-checked.
     """
     cfg = OmegaConf.structured(FTConfig)
+    if app is not None:
+        cfg = _merge_layer(cfg, app, app_name)
     if path is not None:
         with open(path) as f:
             try:
                 raw = yaml.safe_load(f)
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if raw is None:
-            raw = {}
-        try:
-            data = _coerce(raw, FTConfig, "")
-            cfg = OmegaConf.merge(cfg, data)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}", e.key) from None
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"{path}: {_first_line(e)}") from None
+        cfg = _merge_layer(cfg, {} if raw is None else raw, str(path))
     apply_overrides(cfg, overrides)
     validate(cfg)
     return cast(FTConfig, cfg)
+
+
+def _merge_layer(cfg: Any, raw: Any, where: str) -> Any:
+    """`cfg` merged with the plain mapping `raw` (known keys and types only); errors name `where`."""
+    try:
+        return OmegaConf.merge(cfg, _coerce(raw, FTConfig, ""))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}", e.key) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {_first_line(e)}") from None
 
 
 def parse_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -4,9 +4,12 @@
                      [--replica-ids 0,1] [--run-dir DIR] [--no-status] script.py [script args] [key=value ...]
         Start R replicas of W processes of `script.py` under the supervisor: an embedded etcd
         unless --etcd is given, evictions written at once on a death, restarts, a live status
-        table and `events.jsonl` in the run directory. `key=value` arguments are config
-        overrides (configs/default.yaml); the resolved config is written to RUN_DIR/config.yaml
-        and its path passed to every process as LFT_CONFIG.
+        table and `events.jsonl` in the run directory. After the script, `ft.key=value` arguments
+        are config overrides (configs/default.yaml), and so is `key=value` with a config key when
+        the script is not a Hydra app; everything else, and all after a lone `--`, reaches the
+        script verbatim (launch/argsplit.py). A Hydra app's `ft:` node is read first (lightning_ft/
+        hydra.py). The resolved config is written to RUN_DIR/config.yaml and its path passed to
+        every process as LFT_CONFIG.
 
     lightning-ft etcd [--host 127.0.0.1] [--port 2379] [--data-dir DIR]
         Run a single-member etcd in the foreground for a job to use (Ctrl-C stops it).
@@ -21,6 +24,10 @@ import argparse
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_ft.hydra import AppConfig
 
 
 def _cmd_etcd(a: argparse.Namespace) -> int:
@@ -58,10 +65,21 @@ def _cmd_run(a: argparse.Namespace) -> int:
     import os
     import secrets
 
-    from lightning_ft.config import ConfigError, checkpoint_dir, load_config, parse_overrides, to_yaml
+    from lightning_ft.config import ConfigError, checkpoint_dir, load_config, to_yaml
+    from lightning_ft.hydra import LAUNCHER_READ_ENV
+    from lightning_ft.launch.argsplit import SEPARATOR
     from lightning_ft.launch.supervisor import Supervisor
 
-    overrides, script_args = parse_overrides(a.args)
+    if a.script == SEPARATOR and a.args:  # `lightning-ft run [flags] -- script.py ...`
+        a.script = a.args.pop(0)
+    if not os.path.exists(a.script):
+        print(f"lightning-ft run: no such script: {a.script}", file=sys.stderr)
+        return 2
+    try:
+        overrides, script_args, app = _split_run_args(a)
+    except ConfigError as e:
+        print(f"lightning-ft run: {e}", file=sys.stderr)
+        return 2
     resume_from = None
     if a.resume:
         if a.config is None and os.path.exists(os.path.join(a.resume, "config.yaml")):
@@ -72,13 +90,13 @@ def _cmd_run(a: argparse.Namespace) -> int:
         if val is not None:
             overrides.append(f"{key}={val}")
     try:
-        cfg = load_config(a.config, overrides)
+        cfg = load_config(a.config, overrides, app=app.ft if app is not None else None,
+                          app_name=f"{a.script}: the Hydra config's node 'ft'")
     except ConfigError as e:
         print(f"lightning-ft run: {e}", file=sys.stderr)
         return 2
-    if not os.path.exists(a.script):
-        print(f"lightning-ft run: no such script: {a.script}", file=sys.stderr)
-        return 2
+    if app is not None:  # LFT_RUN_DIR must not depend on the cwd: a Hydra app may chdir (hydra.job.chdir)
+        cfg.run_dir = os.path.abspath(cfg.run_dir)
     if a.resume:
         from lightning_ft.config import checkpoint_dir
         from lightning_ft.replica.checkpoint import newest_valid
@@ -128,7 +146,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          checkpoint_root=checkpoint_dir(cfg), crash_loop=cfg.supervisor.crash_loop,
                          min_replicas=cfg.min_replicas,
                          env={"LFT_CONFIG": config_path, **({"LFT_RESUME": os.path.abspath(resume_from)}
-                                                            if resume_from else {})})
+                                                            if resume_from else {}),
+                              **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})
         sup.start()
         if a.no_status or not sys.stdout.isatty():
             rc = sup.run(timeout_s=a.timeout)
@@ -141,6 +160,32 @@ def _cmd_run(a: argparse.Namespace) -> int:
             sup.shutdown()
         if server is not None:
             server.cleanup()
+
+
+def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppConfig | None]:
+    """(FT overrides, the script's arguments, the Hydra app's config or None); see launch/argsplit.py."""
+    from lightning_ft.config import ConfigError
+    from lightning_ft.hydra import is_hydra_app, read_app_config
+    from lightning_ft.launch.argsplit import ArgSplitError, split_run_args, unprefixed_ft_keys
+
+    hydra_app = is_hydra_app(a.script)
+    run_flags = [s for action in a.run_parser._actions for s in action.option_strings]
+    try:
+        split = split_run_args(a.args, hydra_app=hydra_app, run_flags=run_flags)
+    except ArgSplitError as e:
+        raise ConfigError(str(e)) from None
+    if not hydra_app:
+        return split.ft_overrides, split.script_args, None
+    print(f"lightning-ft: reading the Hydra app's config ({a.script} --cfg job)", flush=True)
+    try:
+        app = read_app_config([sys.executable, a.script, *split.script_args])
+    except ConfigError as e:
+        hint = [h for h in unprefixed_ft_keys(split.script_args) if f"'{h.split('=', 1)[0]}'" in str(e)]
+        if hint:
+            raise ConfigError(f"{e}\nnote: with a Hydra app every key=value is the app's; lightning-ft's own keys "
+                              f"take the ft. prefix, e.g. ft.{hint[0]}") from None
+        raise
+    return split.ft_overrides, split.script_args, app
 
 
 def _seed_resume(endpoint: str, cfg, ckpt: str) -> None:
@@ -220,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="whole-job restart: resume RUN_DIR from its newest checkpoint that verifies")
     r.add_argument("script")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments and key=value config overrides")
-    r.set_defaults(fn=_cmd_run)
+    r.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the script's arguments, and ft.key=value config overrides (README: Hydra apps)")
+    r.set_defaults(fn=_cmd_run, run_parser=r)
     rep = sub.add_parser("report", help="timeline.png and summary.md of a run directory")
     rep.add_argument("run_dir")
     rep.add_argument("--no-png", action="store_true")
@@ -237,6 +283,11 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lightning_ft.launch.argsplit import protect_separator
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # keep a lone `--` after the script: argparse would drop it
+        argv = protect_separator(argv)
     a = build_parser().parse_args(argv)
     return a.fn(a)
 

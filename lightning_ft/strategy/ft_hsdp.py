@@ -131,8 +131,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._ft_devices = [torch.device("cpu")] * world
 
     def load_ft_config(self) -> FTConfig:
-        path = self._config_path or os.environ.get("LFT_CONFIG") or None
-        cfg = load_config(path, self._overrides)
+        from lightning_ft.hydra import strategy_config  # LFT_CONFIG, a Hydra app's `ft:` node, overrides
+
+        cfg = strategy_config(self._config_path, self._overrides)
         if self.lr_intervention is not None:
             cfg.lr_intervention = self.lr_intervention
         return cfg
