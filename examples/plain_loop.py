@@ -144,6 +144,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("LFT_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     if a.reference:
         return reference(a)
+    from lightning_ft.coord.coordinator import JobFinished
     from lightning_ft.replica.manager import ReplicaManager
 
     env = os.environ
@@ -231,7 +232,12 @@ def main(argv: list[str]) -> int:
             if leader:
                 emit(event="finished_already", rid=rid, inc=inc, step=done)
             return 0
-        mgr.prepare()
+        try:
+            mgr.prepare()
+        except JobFinished as e:  # it finished while this replica was starting
+            if leader:
+                emit(event="finished_already", rid=rid, inc=inc, reason=str(e))
+            return 0
         while mgr.step < a.steps:
             due = schedule.due(rid, mgr.step, inc)
             if due is not None:

@@ -46,6 +46,10 @@ class QuorumTimeout(TimeoutError):
     """No quorum formed within the deadline; the message carries the last reason."""
 
 
+class JobFinished(RuntimeError):
+    """The job already trained to completion (`finished` key): a late replica has nothing to do."""
+
+
 class JobHalted(RuntimeError):
     """The job must stop: a decision every replica obeys (replica states diverged with no
     majority). The message says why and what to do."""
@@ -141,6 +145,12 @@ class Coordinator:
                 f"replica {self.rid} (incarnation {self.incarnation}) refused: job config differs in {diff}. "
                 f"Use the job's settings, or a new job id to start a different job.")
 
+    def _check_finished(self) -> None:
+        kv = self.store.get(keys.finished(self._root))
+        if kv is not None:
+            raise JobFinished(f"the job already finished ({kv.value.decode(errors='replace')}); replica {self.rid} "
+                              "has nothing left to train")
+
     def _check_halt(self) -> None:
         kv = self.store.get(keys.halt(self._root))
         if kv is not None:
@@ -232,6 +242,8 @@ class Coordinator:
         started = last_get = self._clock()
         first = True
         while True:
+            if first or self._clock() - last_get >= self._slow_poll_s:
+                self._check_finished()
             self.heartbeat()
             self._wake.clear()
             if self._lease_lost.is_set():

@@ -159,7 +159,9 @@ def prune(root: str, keep: int, protect: int = -1) -> list[int]:
     if keep <= 0 or len(good) < keep:
         return []
     cutoff = good[-1]
-    keep_too = max((s for s in steps if s <= protect and s < cutoff and _has_manifest(root, s)), default=None)
+    keep_too = None
+    if protect >= 0 and not any(s <= protect for s in good):  # none of the kept ones is known consistent
+        keep_too = max((s for s in steps if s <= protect and s < cutoff and _has_manifest(root, s)), default=None)
     gone = [s for s in steps if s < cutoff and s != keep_too]
     for s in gone:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)

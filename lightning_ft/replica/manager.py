@@ -267,6 +267,7 @@ class ReplicaManager:
         if not self.run_dir:
             return
         fields.setdefault("replica", self.rid)
+        fields.setdefault("incarnation", self.incarnation if fields["replica"] == self.rid else None)
         line = json.dumps({"t": time.time(), "event": name, "by": self.rid, **fields}) + "\n"
         fd = os.open(os.path.join(self.run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

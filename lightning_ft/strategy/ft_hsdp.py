@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_ft.config import FTConfig, load_config
+from lightning_ft.config import FTConfig
 from lightning_ft.replica.data import SlotStream
 from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
@@ -153,12 +153,38 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 lg._version = f"replica_{self.rid}"
         if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(FTMetrics(self))
+        self._route_should_stop(trainer)
         from lightning_ft.callbacks.failure import FailureInjector
 
         failures = self.cfg.failure
         if (failures.events or failures.mtbf_steps > 0) and not any(isinstance(cb, FailureInjector)
                                                                      for cb in trainer.callbacks):
             trainer.callbacks.append(FailureInjector())  # the job config schedules failures: inject them
+
+    def _route_should_stop(self, trainer: Any) -> None:
+        """`trainer.should_stop` becomes a job decision: a replica that sets it (user code, a
+        callback, EarlyStopping) asks the job to stop (`stop` in its next report), and it reads
+        True on every replica once a round carrying the request committed, so that all stop
+        after the same step. Lightning itself is unchanged; the attribute is a property on a
+        per-trainer subclass."""
+        cls = type(trainer)
+        if getattr(cls, "_ft_routes_should_stop", False):
+            return
+        strategy = self
+
+        def get(tr: Any) -> bool:
+            if strategy.mgr is None:
+                return bool(tr.__dict__.get("_ft_should_stop", False))
+            return strategy.stop_agreed
+
+        def put(tr: Any, value: bool) -> None:
+            tr.__dict__["_ft_should_stop"] = bool(value)
+            if value and strategy.mgr is not None and not strategy.stop_agreed:
+                strategy.mgr.request_stop = True
+
+        trainer.__class__ = type(cls.__name__, (cls,), {"should_stop": property(get, put),
+                                                          "_ft_routes_should_stop": True,
+                                                          "__module__": cls.__module__})
 
     def _exit_if_finished(self) -> None:
         """A replica (re)started after the job finished leaves before any user hook runs (no
@@ -491,11 +517,16 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, JobHalted, QuorumTimeout
+        from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, JobFinished, JobHalted, QuorumTimeout
         from lightning_ft.coord.store import StoreError
         from lightning_ft.ftar.transport.base import FatalError
         from lightning_ft.replica.manager import ReplicaStateLost, StaleManualStep
 
+        if isinstance(exception, JobFinished):  # a late replica: leave before any user hook runs
+            print(f"lightning-ft: replica {self.rid}: {exception}", file=sys.stderr, flush=True)
+            self._close()
+            sys.stdout.flush()
+            os._exit(0)
         hint = {
             JobHalted: "the job stopped: every replica exits; the launcher does not restart them",
             Evicted: "this replica was evicted (declared failed by the others); the launcher restarts it",
@@ -514,6 +545,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                       file=sys.stderr, flush=True)
                 break
         if isinstance(exception, JobHalted) and self.mgr is not None:
+            if self._ckpt is not None:  # a checkpoint still being written must not outlive the verdict
+                self._ckpt.close()
             self.mgr.on_halt()
             self._close()
             sys.stderr.flush()

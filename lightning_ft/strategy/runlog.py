@@ -71,19 +71,12 @@ def metrics(mgr: Any, num_replicas: int) -> dict[str, float]:
 
 
 class FTMetrics(Callback):
-    """Per-step FT metrics through the Lightning logger (DESIGN §11); runs after the user's
-    callbacks, so it also sees a `trainer.should_stop` they set."""
+    """Per-step FT metrics through the Lightning logger (DESIGN §11)."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        mgr = self.strategy.mgr
-        if trainer.should_stop and mgr is not None and not self.strategy.stop_agreed:
-            # A stop asked by this replica alone (user code, a callback) would split the job:
-            # it becomes a job decision instead, taken by every replica at the same step.
-            mgr.request_stop = True
-            trainer.should_stop = False
         if not trainer._logger_connector.should_update_logs:
             return  # logging every step costs milliseconds; loggers only write every n steps
         m: Optional[dict] = metrics(self.strategy.mgr, self.strategy.num_replicas)

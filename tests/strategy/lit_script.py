@@ -18,6 +18,12 @@ import os
 import sys
 import time
 
+if "--exit-before-training" in sys.argv:  # a typo in user code: fail before the slow imports, every time
+    _who = sys.argv[sys.argv.index("--exit-before-training") + 1]
+    if _who == os.environ.get("LFT_REPLICA_ID"):
+        print("a typo in user code", file=sys.stderr, flush=True)
+        sys.exit(1)
+
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
@@ -146,12 +152,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stop-at", type=int, default=-1, help="set trainer.should_stop at this step ...")
     p.add_argument("--stop-replica", type=int, default=0, help="... in this replica only")
     p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed: every replica inits differently")
-    p.add_argument("--exit-before-training", type=int, default=-1,
+    p.add_argument("--exit-before-training", type=int, default=-99,
                    help="this replica exits with code 1 before its first step (a crash loop)")
     a = p.parse_args(argv)
-    if a.exit_before_training == int(os.environ.get("LFT_REPLICA_ID", "-1")):
-        print("a typo in user code", file=sys.stderr, flush=True)
-        return 1
     torch.set_num_threads(1)
     callbacks = []
     if a.ddp:

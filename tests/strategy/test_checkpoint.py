@@ -158,7 +158,7 @@ def test_restart_the_world_baseline_resumes_everyone_from_the_checkpoint(tmp_pat
     assert restart["step"] == 10 and restart["checkpoint"].endswith("step_00000010")
     # replica 0 was healthy but restarted too, and redid steps 11.. from the checkpoint
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "replica_0", "steps.jsonl"))]
-    inc1 = [x["step"] for x in rows if x["inc"] == 1]
+    inc1 = [x["step"] for x in rows if x["inc"] == 1 and x["role"] == "train"]  # after the sync round
     assert inc1[0] == 11 and max(x["step"] for x in rows if x["inc"] == 0) >= 12
     finals = [json.load(open(os.path.join(run_dir, f"replica_{i}", "final.json"))) for i in (0, 1)]
     assert finals[0]["digest"] == finals[1]["digest"] == clean.finals[0]["digest"]

@@ -41,7 +41,7 @@ def test_corrupted_replica_is_detected_healed_and_ends_identical(tmp_path, etcd_
     import json
 
     rows = [json.loads(l) for l in open(os.path.join(run.run_dir, "replica_1", "steps.jsonl"))]
-    assert [r["step"] for r in rows if r["caught_up"]] == [17], rows
+    assert [r["step"] for r in rows if r["caught_up"] and r["role"] == "train"] == [17], rows
 
 
 def test_two_replicas_that_disagree_stop_the_job_and_keep_the_verified_checkpoint(tmp_path, etcd_endpoint):

@@ -51,7 +51,7 @@ def _configs(opt):
 
 
 def test_schedulers_step_once_per_committed_step():
-    from lightning_ft.strategy.ft_hsdp import _Schedulers
+    from lightning_ft.strategy.schedulers import CommittedSchedulers as _Schedulers
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sch, ep, configs = _configs(opt)
@@ -73,8 +73,14 @@ def test_schedulers_step_once_per_committed_step():
     sync.load_state_dict(state)
     sch.step()
     assert sch.last_epoch == 3
-    ep.step()  # epoch schedulers are Lightning's business
-    assert ep.last_epoch == 1
+    # epoch schedulers follow the job's epochs (committed steps), not this replica's Lightning epochs
+    ep.step()
+    assert ep.last_epoch == 0
+    sync.steps_per_epoch = 4
+    sync.committed(3)
+    assert ep.last_epoch == 0
+    sync.committed(4)
+    assert ep.last_epoch == 1 and abs(opt.param_groups[0]["lr"] - 0.9 * 0.5) < 1e-12
 
 
 def test_import_registers_ft_hsdp_without_importing_lightning():
