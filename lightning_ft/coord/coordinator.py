@@ -96,6 +96,9 @@ class Coordinator:
         self._dead: set[tuple[int, int]] = set()
         """Members of the current quorum seen evicted or expired by the watches."""
         self._dead_lock = threading.Lock()
+        self.changed = False
+        """A watch saw a change since the current round was adopted (failure, eviction, joiner,
+        new incarnation, our lease lapsed): the next round must be a full round."""
         self._slow_poll_s = max(poll_interval_s * 5, 0.25)
         self._fallback_s = 2.0 * lease_ttl_s
 
@@ -178,6 +181,7 @@ class Coordinator:
                 self.store.lease_keepalive(self._lease)
             except LeaseExpired:
                 self._lease_lost.set()
+                self.changed = True
                 self._wake.set()
             except StoreError as e:
                 log.warning("replica %d: lease keepalive failed: %s", self.rid, e)
@@ -198,6 +202,7 @@ class Coordinator:
             if q is not None and (rid, inc) in q.member_set():
                 with self._dead_lock:
                     self._dead.add((rid, inc))
+                self.changed = True
                 failed = (rid, f"evicted: {ev.value.decode(errors='replace')}")
         elif parts[0] == "members" and len(parts) == 2 and q is not None:
             rid = int(parts[1])
@@ -206,9 +211,14 @@ class Coordinator:
                 with self._dead_lock:
                     if ev.kind == "delete":
                         self._dead.add((rid, inc))
+                        self.changed = True
                         failed = (rid, "lease expired")
                     elif Report.from_json(ev.value).incarnation == inc:
                         self._dead.discard((rid, inc))  # back from a lapse (evictions are re-checked in quorum)
+                    else:
+                        self.changed = True  # a new incarnation replaces a member
+            elif ev.kind == "put" and rid != self.rid:
+                self.changed = True  # a joiner: take it in at the next round
         self._wake.set()
         if failed and failed[0] != self.rid and self.on_failure is not None:
             self.on_failure(*failed)
@@ -284,7 +294,27 @@ class Coordinator:
                                     f"last reason: {self._last_reason or 'waiting for the decider'}")
             self._wake.wait(self.poll_interval_s)
 
+    def adopt_steady(self, q: Quorum) -> None:
+        """Adopt a steady round derived locally (quorum.steady_next); the lowest-id member also
+        records it in etcd, off the critical path (`record_steady`), for joiners and the
+        supervisor."""
+        self._current = q
+        self._next_round = q.round + 1
+        self._report = replace(self._report, round=q.round, step=q.max_step)
+
+    def record_steady(self, q: Quorum) -> None:
+        """Store a steady round's quorum (create-if-absent, so a full decision of the same round
+        that won would stand) and prune old rounds. Called from a background thread."""
+        try:
+            if self.store.create(self._round_key(q.round), q.to_json()):
+                old = q.round - KEEP_ROUNDS
+                if old >= 0:
+                    self.store.delete(self._round_key(old))
+        except StoreError as e:
+            log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
+
     def _adopt(self, q: Quorum) -> None:
+        self.changed = False
         with self._dead_lock:
             self._current = q
             self._dead = {m for m in self._dead if m in q.member_set()}
@@ -342,8 +372,12 @@ class Coordinator:
         for kv in evicts:
             _, rid, inc = kv.key[len(self._root):].split("/")
             evicted.add((int(rid), int(inc)))
-        prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
-        previous = Quorum.from_json(prev_kv.value) if prev_kv and not prev_kv.value.startswith(b'{"halt"') else None
+        if self._current is not None and self._current.round == round - 1:
+            previous = self._current  # ours, possibly a steady round not yet recorded in etcd
+        else:
+            prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
+            previous = Quorum.from_json(prev_kv.value) if prev_kv and not prev_kv.value.startswith(b'{"halt"') \
+                else None
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
 

@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping, Optional
 
+MAX_STEADY_STEPS = 64
+"""A full round at least at every multiple of this step, even when nothing changes."""
 STRIKES = 3
 """Consecutive ring-reset rounds with unchanged members before one member is excluded."""
 QUARANTINE_ROUNDS = 4
@@ -142,6 +144,8 @@ class Quorum:
     """(rid, until_round, exclusions) of members excluded by rule 5."""
     stop: bool = False
     """Some member asked to stop: every replica stops after committing this round."""
+    steady: bool = False
+    """Derived by every leader from the previous round without etcd (`steady_next`)."""
 
     def index(self, rid: int) -> int:
         return self.members.index(rid)
@@ -405,3 +409,60 @@ def adopt_role(q: Quorum, rid: int) -> str:
     if q.kind == SYNC:
         return "source" if rid == q.source else "adopt"
     return "train" if rid in q.contributors else "catchup"
+
+
+# -- steady rounds: no etcd while nothing changes ----------------------------------------------------
+
+@dataclass(frozen=True)
+class LocalView:
+    """What one leader knows locally when its replica finished a round."""
+
+    committed: bool
+    """This replica committed the round (its 2PC succeeded)."""
+    changed: bool
+    """A watch reported a change since the round was adopted: a failure, an eviction, a
+    joiner or a new incarnation, or our own lease lapsed."""
+    digest_due: bool
+    """State version q.max_step + 1 is a digest step (digests are compared in full rounds).
+    Judged from the round, not from this replica's step, so every member agrees."""
+    stop: bool = False
+    """This replica asks to stop."""
+
+
+def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
+    """The next round's quorum, derived without etcd, or None when the next round must be a
+    full round (report, decide, adopt).
+
+    A steady round repeats a settled train round: every member contributed, nobody lags or
+    heals, no rewind, no stop, no quarantine ends, and nothing changed. Every leader that
+    committed `q` computes the same result from `q` alone; a leader that must go full while
+    the others may go steady (`must_abort`) aborts the ring, so their exchange fails at once
+    and they go full too. The highest-step-is-healthy rule is kept: all members of a steady
+    round committed the same steps, and the 2PC is unchanged."""
+    if not view.committed or view.changed or view.stop or _full_anyway(q, view):
+        return None
+    if not steady_eligible(q):
+        return None
+    nxt = q.round + 1
+    return replace(q, round=nxt, max_step=q.max_step + 1, cursors=tuple(c + 1 for c in q.cursors),
+                   strikes=0, steady=True,
+                   reason=f"round {nxt} epoch {q.epoch}: steady ({len(q.members)} replicas, unchanged since round "
+                          f"{q.round}); max_step {q.max_step + 1}")
+
+
+def steady_eligible(q: Quorum) -> bool:
+    """Whether a round after `q` may be steady, judged from `q` alone (the same everywhere)."""
+    if q.kind != TRAIN or q.lagging or q.diverged or q.rewind is not None or q.stop:
+        return False
+    return not any(until == q.round + 1 for _, until, _ in q.quarantine)
+
+
+def _full_anyway(q: Quorum, view: LocalView) -> bool:
+    """Reasons every member sees alike: a digest step, or the periodic full round."""
+    return view.digest_due or (q.max_step + 1) % MAX_STEADY_STEPS == 0
+
+
+def must_abort(q: Quorum, view: LocalView) -> bool:
+    """A leader going full for a reason of its own, after a round from which the others may
+    go steady, must break the ring so that their steady exchange fails at once."""
+    return steady_eligible(q) and not _full_anyway(q, view) and steady_next(q, view) is None

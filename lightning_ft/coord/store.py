@@ -91,6 +91,10 @@ class Store(ABC):
         A fence: e.g. "my member key is the one I created, and I am not evicted"."""
 
     @abstractmethod
+    def put_many_if(self, items: list[tuple[str, bytes]], created: dict[str, int]) -> bool:
+        """`put_if` for several keys in one transaction: all are written, or none."""
+
+    @abstractmethod
     def lease_grant(self, ttl_s: float) -> int:
         """A new lease id that expires `ttl_s` seconds after its last keepalive."""
 
@@ -245,12 +249,16 @@ class MemoryStore(Store):
         return True
 
     def put_if(self, key: str, value: bytes, created: dict[str, int]) -> bool:
+        return self.put_many_if([(key, value)], created)
+
+    def put_many_if(self, items: list[tuple[str, bytes]], created: dict[str, int]) -> bool:
         with self._lock:
             for k, rev in created.items():
                 cur = self._current(k)
                 if (cur.create_revision if cur is not None else 0) != rev:
                     return False
-            self._write(key, value)
+            for key, value in items:
+                self._write(key, value)
         self._flush()
         return True
 
@@ -402,9 +410,12 @@ class EtcdStore(Store):
         return bool(ok)
 
     def put_if(self, key: str, value: bytes, created: dict[str, int]) -> bool:
+        return self.put_many_if([(key, value)], created)
+
+    def put_many_if(self, items: list[tuple[str, bytes]], created: dict[str, int]) -> bool:
         cmps = [self._tx.create(k) == rev for k, rev in created.items()]
-        ok, _ = self._call(f"put_if {key}", self._client.transaction, compare=cmps,
-                           success=[self._tx.put(key, value)], failure=[])
+        ok, _ = self._call(f"put_if {items[0][0]} (+{len(items) - 1})", self._client.transaction, compare=cmps,
+                           success=[self._tx.put(k, v) for k, v in items], failure=[])
         return bool(ok)
 
     def lease_grant(self, ttl_s: float) -> int:

@@ -2,7 +2,11 @@
 (docs/ARCHITECTURE.md, "The exchange").
 
 The optimizer's parameters (their local shards under FSDP2) are laid out back to back in
-one flat buffer. With overlap enabled, buckets of about `bucket_bytes` are all-reduced as
+one flat buffer, and each parameter's `.grad` is a view into it (`attach`): backward
+accumulates straight into the exchange buffer, FTAR reduces it in place, and the optimizer
+reads the result, with no copy in or out. The optimizer's `zero_grad` is routed to `zero`
+(one memset, views kept). Where something replaced a `.grad` with a tensor of its own, the
+hooks fall back to copying. With overlap enabled, buckets of about `bucket_bytes` are all-reduced as
 soon as backward produced every gradient in them (post-accumulate-grad hooks; FSDP2 calls
 them after its reduce-scatter) and the round's plan is known. Buckets go out in one
 canonical order, reverse parameter order, whatever order the gradients arrive in, so every
@@ -55,19 +59,50 @@ class GradBuckets:
             self.offsets.append((off, off + n))
             off += n
         self.flat = torch.zeros(off, dtype=params[0].dtype)
+        self.views = [self.flat[lo:hi].view(local(p).shape) for p, (lo, hi) in zip(params, self.offsets)]
+        self._clean = True
+        """The flat buffer is all zeros (nothing accumulated or exchanged since `zero`)."""
         self.saved: Optional[torch.Tensor] = None
         self.saved_ok = False
         self.buckets: list[tuple[int, int]] = [(0, off)]
         self.need: list[int] = [len(params)]
         self.bucket_of: dict[int, int] = {i: 0 for i in range(len(params))}
-        self._index: dict[int, int] = {}
+        self._index: dict[int, int] = {id(p): i for i, p in enumerate(params)}
         self._lock = threading.Lock()
         self._armed = False
         self._round: Optional[Round] = None
+        for p in params:  # also how we know that backward wrote into the buffer (not `_clean`)
+            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    # -- gradients as views of the flat buffer -------------------------------------------------------
+    def _ours(self, i: int, p: torch.Tensor) -> bool:
+        g = p.grad
+        return g is not None and local(g).data_ptr() == self.views[i].data_ptr()
+
+    def attach(self) -> None:
+        """Make every parameter's `.grad` (its local shard) a view of the flat buffer."""
+        for i, p in enumerate(self.params):
+            if self._ours(i, p):
+                continue
+            view = self.views[i]
+            if hasattr(p, "to_local"):  # an FSDP2 DTensor: a DTensor grad over our local view
+                from torch.distributed.tensor import DTensor
+
+                p.grad = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+            else:
+                p.grad = view
+
+    def zero(self, set_to_none: Optional[bool] = True) -> None:
+        """The optimizer's zero_grad: zero the flat buffer (once) and keep the views."""
+        if not self._clean:
+            self.flat.zero_()
+            self._clean = True
+        self.attach()
 
     def enable_overlap(self, bucket_bytes: int) -> None:
         """Split into buckets of >= bucket_bytes (reverse parameter order) and hook backward."""
@@ -85,9 +120,6 @@ class GradBuckets:
         self.buckets = buckets
         self.bucket_of = {i: b for b, ms in enumerate(members) for i in ms}
         self.need = [len(ms) for ms in members]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # -- a round ---------------------------------------------------------------------------------
     def arm(self, save: bool) -> None:
@@ -110,13 +142,15 @@ class GradBuckets:
                 self._submit_ready(self._round)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        self._clean = False
         with self._lock:
             r = self._round
             if not self._armed or r is None:
                 return
             i = self._index[id(p)]
-            lo, hi = self.offsets[i]
-            self.flat[lo:hi].copy_(local(p.grad).reshape(-1))
+            if not self._ours(i, p):
+                lo, hi = self.offsets[i]
+                self.flat[lo:hi].copy_(local(p.grad).reshape(-1))
             if i not in r.filled:
                 r.filled.add(i)
                 r.count[self.bucket_of[i]] += 1
@@ -151,27 +185,29 @@ class GradBuckets:
             r.save = save and plan.contribute
             self.saved_ok = r.save
             if not plan.contribute:
-                self.flat.zero_()
+                if not self._clean:
+                    self.flat.zero_()
             else:
                 for i, p in enumerate(self.params):
-                    if i not in r.filled:
+                    if i not in r.filled and not self._ours(i, p):
                         lo, hi = self.offsets[i]
                         if p.grad is None:
                             self.flat[lo:hi].zero_()
                         else:
                             self.flat[lo:hi].copy_(local(p.grad).reshape(-1))
+            self._clean = False
             for b in range(r.submitted, len(self.buckets)):
                 self._submit(r, b, plan)
             return r.works
 
     # -- gradients in and out --------------------------------------------------------------------
     def write_grads(self, src: Optional[torch.Tensor] = None) -> None:
-        """Copy a flat buffer (default: the exchanged one) into the parameters' local grads."""
-        src = self.flat if src is None else src
-        for p, (lo, hi) in zip(self.params, self.offsets):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            local(p.grad).view(-1).copy_(src[lo:hi])
+        """The exchanged gradients (or `src`, a flat buffer of the same layout) as the
+        parameters' local grads: nothing to do where the grads are our views."""
+        self.attach()
+        if src is not None:
+            self.flat.copy_(src)
+        self._clean = False
 
     def restore(self) -> bool:
         """Put back the local gradients saved before the exchange; False if none were saved."""

@@ -151,6 +151,29 @@ def record_commit(store: Store, root: str, step: int, rid: int, epoch: int, roun
     return True
 
 
+def record_commits(store: Store, root: str, rid: int, records: Sequence[tuple], fence: Optional[dict[str, int]] = None
+                   ) -> bool:
+    """Write several commit records of `rid` at once (one fenced transaction), then advance
+    each slot's cursor once, to past the last batch it trained. `records`: (step, epoch,
+    round, gen, batches). Returns whether they were written."""
+    if len(records) == 1:
+        step, epoch, round_, gen, batches = records[0]
+        return record_commit(store, root, step, rid, epoch, round_, batches, gen=gen, fence=fence)
+    puts = []
+    top: dict[tuple[int, int], int] = {}
+    for step, epoch, round_, gen, batches in records:
+        rec = json.dumps({"epoch": epoch, "round": round_, "batches": {str(s): k for s, k in sorted(batches.items())}},
+                         sort_keys=True).encode()
+        puts.append((keys.commit(root, gen, step, rid), rec))
+        for slot, k in batches.items():
+            top[(gen, slot)] = max(top.get((gen, slot), 0), k + 1)
+    if not store.put_many_if(puts, fence or {}):
+        return False
+    for (gen, slot), k in top.items():
+        advance_cursor(store, root, slot, k, gen)
+    return True
+
+
 def recorded(store: Store, root: str, gen: int, step: int) -> bool:
     """Whether some replica recorded a commit of `step` in generation `gen`."""
     kvs, _ = store.get_prefix(keys.commits(root, gen, step))

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator
-from lightning_ft.coord.quorum import JobSpec, Quorum, adopt_role
+from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, adopt_role, must_abort, steady_next
 from lightning_ft.coord.store import EtcdStore, Store
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
@@ -189,7 +189,14 @@ class ReplicaManager:
         self._digest: Optional[tuple[int, int]] = None
         """(state version, this rank's 64-bit digest), reported with the next round."""
         self._cursor_stale = False
-        self._unrecorded: Optional[tuple] = None
+        self._unrecorded: list[tuple] = []
+        """Commits not yet in the ledger: written before our next report (full round), before a
+        checkpoint and at close; steady rounds only append."""
+        self._ledger_lock = threading.Lock()
+        self._committed_round = -1
+        self.steady = True
+        """Whether steady rounds (no etcd while nothing changes) may be used."""
+        self._bg: Optional[ThreadPoolExecutor] = None
         self._stash: Optional[StepPlan] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self.stats = StepStats()
@@ -248,6 +255,8 @@ class ReplicaManager:
         addrs = self._gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
         self.buckets = GradBuckets(opt_params(self.optimizer), self._send_bucket, f"replica {self.rid}")
+        self.buckets.attach()
+        self.optimizer.zero_grad = self.buckets.zero  # keep .grad as views of the exchange buffer
         if self.is_leader:
             self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
                                      on_failure=self._on_failure, on_event=self.event, **self._coord_kw)
@@ -315,7 +324,12 @@ class ReplicaManager:
         if self.is_leader:
             try:
                 self.coord.heartbeat()
-                self.flush_ledger()  # the previous step's record precedes our report for this one
+                msg = self._steady_round()
+            except Exception as e:
+                msg = e
+        if self.is_leader and msg is None:
+            try:
+                self.flush_ledger()  # the previous steps' records precede our report for this one
                 if self._cursor_stale:  # a failed commit: others may have committed our batch
                     self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid, self.gen))
                     self._cursor_stale = False
@@ -356,6 +370,37 @@ class ReplicaManager:
                         lr_factor=lr_factor(self.lr_mode, len(q.contributors), self.R), batch_index=self.cursor)
         self.last_plan = plan
         return plan
+
+    def _steady_round(self) -> Any:
+        """Leader: the next round without etcd when nothing changed (quorum.steady_next); else
+        None, after stopping the others from going steady when they may (`must_abort`)."""
+        q = self.coord.current
+        if q is None or not self.steady:
+            return None
+        view = LocalView(committed=self._committed_round == q.round, changed=self.coord.changed,
+                         digest_due=self.digest_due(q.max_step + 1), stop=self.request_stop)
+        nxt = steady_next(q, view)
+        if nxt is None:
+            if must_abort(q, view):
+                self._abort_ring(q)
+            return None
+        self.coord.adopt_steady(nxt)
+        if self.rid == nxt.members[0]:  # one leader records it, off the critical path
+            if self._bg is None:
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}")
+            self._bg.submit(self.coord.record_steady, nxt)
+        return (nxt, self.cursor)
+
+    def _abort_ring(self, q: Quorum) -> None:
+        """Leader: we go to a full round while the others may go steady from `q`. Fail every
+        rank's exchange of every other member now (and ours: the full round rebuilds the ring),
+        before we report, instead of letting them wait for our contribution."""
+        why = f"replica {self.rid} needs a full round after round {q.round}"
+        self.ftar.abort(why)
+        for rid, addrs in zip(q.members, q.addrs):
+            for rank, addr in enumerate(addrs):
+                if (rid, rank) != (self.rid, self.rank):
+                    threading.Thread(target=self._abort_rank, args=(addr, why, self._epoch), daemon=True).start()
 
     def _blamed(self, q: Quorum, e: FTARError) -> tuple[int, ...]:
         """The replica whose FTAR endpoint an error names (for the partition rule)."""
@@ -459,14 +504,17 @@ class ReplicaManager:
             elif not computed:
                 res.loss = compute(plan)
                 computed, replaced = True, False
-            vote = self.exchange(plan, save_grads=True)
+            # A retry recomputes when it can; only a caller that cannot (manual optimization)
+            # pays for a saved copy of its local gradients.
+            vote = self.exchange(plan, save_grads=recompute is None)
             if vote == OK and after_exchange is not None:
                 after_exchange()
             if self.commit(vote):
                 res.committed += 1
                 res.trained = True
                 return res
-            self.restore_grads()
+            if not self.restore_grads():
+                replaced = True  # the gradients are gone (zeroed): recompute them on the next round
 
     # -- exchange and catch-up ------------------------------------------------------------------------
     def _send_bucket(self, view: torch.Tensor, plan: StepPlan) -> Any:
@@ -685,10 +733,13 @@ class ReplicaManager:
         self.step, self.gen, self.synced = plan.step + 1, q.gen, True
         if plan.contribute:
             self.cursor = plan.batch_index + 1
+        self._committed_round = q.round
         if self.is_leader:
-            # Written by the next start_step, before this replica reports for the next round
-            # (from the quorum thread when overlapped): off the step's critical path.
-            self._unrecorded = (plan.step, q.epoch, q.round, q.gen, {c: q.cursor_of(c) for c in q.contributors})
+            # Written before this replica reports for a later (full) round, from the quorum
+            # thread when overlapped: off the step's critical path.
+            with self._ledger_lock:
+                self._unrecorded.append((plan.step, q.epoch, q.round, q.gen,
+                                         {c: q.cursor_of(c) for c in q.contributors}))
         self._take_digest()
         if self.on_commit is not None:
             self.on_commit(plan)
@@ -697,15 +748,15 @@ class ReplicaManager:
         return True
 
     def flush_ledger(self) -> None:
-        """Record the last commit in the ledger and advance the cursors (leader; idempotent).
-        The write is fenced: an evicted incarnation, or one whose lease lapsed, records nothing."""
-        rec, self._unrecorded = self._unrecorded, None
-        if rec is not None and self.is_leader:
-            step, epoch, round_, gen, batches = rec
-            if not ledger.record_commit(self._store, self.root, step, self.rid, epoch, round_, batches, gen=gen,
-                                        fence=self.coord.fence()):
-                log.warning("replica %d: the ledger refused our record of step %d (evicted or our lease lapsed); "
-                            "the others decide without it", self.rid, step)
+        """Record the unrecorded commits in the ledger and advance the cursors (leader;
+        idempotent). The write is fenced: an evicted incarnation, or one whose lease lapsed,
+        records nothing."""
+        with self._ledger_lock:
+            recs, self._unrecorded = self._unrecorded, []
+        if recs and self.is_leader:
+            if not ledger.record_commits(self._store, self.root, self.rid, recs, fence=self.coord.fence()):
+                log.warning("replica %d: the ledger refused our records of steps %d..%d (evicted or our lease "
+                            "lapsed); the others decide without them", self.rid, recs[0][0], recs[-1][0])
 
     def _vote(self, vote: int) -> int:
         if self.pg is None and self.world == 1:
@@ -780,6 +831,8 @@ class ReplicaManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._bg is not None:
+            self._bg.shutdown(wait=True)
         if self.is_leader and self._store is not None:
             try:
                 self.flush_ledger()

@@ -456,3 +456,76 @@ def test_random_histories_never_lose_the_newest_state(seed):
     assert set(q.contributors) | set(q.lagging) == set(q.members) and len(q.contributors) >= 1
     if q.kind == SYNC:
         assert len(q.contributors) == 1
+
+
+# -- steady rounds -------------------------------------------------------------------------------
+
+from lightning_ft.coord.quorum import LocalView, must_abort, steady_eligible, steady_next  # noqa: E402
+
+
+def _settled(**kw):
+    q = decide(10, [srep(r, 10, round=10) for r in range(3)], previous=quorum_of((0, 1, 2), 9, round=9)).quorum
+    return dataclasses.replace(q, cursors=(10, 10, 7), **kw)
+
+
+CALM = LocalView(committed=True, changed=False, digest_due=False)
+
+
+def test_a_settled_round_continues_steady_with_everything_advanced():
+    q = _settled()
+    n = steady_next(q, CALM)
+    assert n.steady and n.round == q.round + 1 and n.max_step == q.max_step + 1 and n.epoch == q.epoch
+    assert n.members == q.members and n.contributors == q.contributors and n.cursors == (11, 11, 8)
+    assert n.reason == "round 11 epoch 0: steady (3 replicas, unchanged since round 10); max_step 11"
+    assert steady_next(n, CALM).round == 12  # steady rounds chain
+
+
+@pytest.mark.parametrize("view", [
+    LocalView(committed=False, changed=False, digest_due=False),
+    LocalView(committed=True, changed=True, digest_due=False),
+    LocalView(committed=True, changed=False, digest_due=True),
+    LocalView(committed=True, changed=False, digest_due=False, stop=True),
+])
+def test_any_local_reason_makes_the_next_round_full(view):
+    assert steady_next(_settled(), view) is None
+
+
+@pytest.mark.parametrize("change", [
+    dict(kind=SYNC), dict(lagging=(2,), contributors=(0, 1)), dict(diverged=(1,)),
+    dict(rewind={"from": 9, "to": 5, "checkpoint": "", "checkpoint_step": -1}), dict(stop=True),
+    dict(quarantine=((4, 11, 1),)),
+])
+def test_rounds_that_are_not_settled_are_followed_by_full_rounds(change):
+    q = _settled(**change)
+    assert not steady_eligible(q) and steady_next(q, CALM) is None
+    assert not must_abort(q, LocalView(committed=False, changed=True, digest_due=False))
+
+
+def test_a_quarantine_that_ends_later_does_not_stop_steady_rounds():
+    assert steady_next(_settled(quarantine=((4, 30, 1),)), CALM) is not None
+
+
+def test_who_must_abort_the_ring():
+    q = _settled()
+    assert must_abort(q, LocalView(committed=False, changed=False, digest_due=False))  # our commit failed
+    assert must_abort(q, LocalView(committed=True, changed=True, digest_due=False))    # we saw a joiner
+    assert must_abort(q, LocalView(committed=True, changed=False, digest_due=False, stop=True))
+    assert not must_abort(q, CALM)                                                     # we go steady too
+    # everyone goes full at a digest step: no need to break the ring
+    assert not must_abort(q, LocalView(committed=True, changed=False, digest_due=True))
+    assert not must_abort(q, LocalView(committed=True, changed=True, digest_due=True))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_steady_views_agree_or_someone_aborts(seed):
+    """Whatever each leader sees locally, either every leader derives the same steady round,
+    or at least one that goes full aborts the ring (so no one trains a steady round alone)."""
+    rng = random.Random(seed)
+    q = _settled()
+    views = [LocalView(committed=rng.random() < 0.9, changed=rng.random() < 0.2, digest_due=False,
+                       stop=rng.random() < 0.1) for _ in q.members]
+    nexts = [steady_next(q, v) for v in views]
+    if all(n is not None for n in nexts):
+        assert len(set(nexts)) == 1
+    elif any(n is not None for n in nexts):
+        assert any(n is None and must_abort(q, v) for n, v in zip(nexts, views))

@@ -23,3 +23,15 @@ def test_put_if_fails_once_the_key_was_recreated(store):  # noqa: F811
     store.put("/t/members/2", b"new")  # a re-registration: a new create revision
     assert not store.put_if("/t/rec/c", b"x", {"/t/members/2": created})
     assert store.put_if("/t/rec/c", b"x", {"/t/members/2": store.get("/t/members/2").create_revision})
+
+
+def test_put_many_if_writes_all_or_nothing(store):  # noqa: F811
+    store.put("/t/members/3", b"me")
+    fence = {"/t/members/3": store.get("/t/members/3").create_revision}
+    assert store.put_many_if([("/t/r/1", b"a"), ("/t/r/2", b"b")], fence)
+    assert [kv.value for kv in store.get_prefix("/t/r/")[0]] == [b"a", b"b"]
+    store.put("/t/members/3", b"me again")  # same key: create revision unchanged
+    assert store.put_many_if([("/t/r/3", b"c")], fence)
+    store.delete("/t/members/3")
+    assert not store.put_many_if([("/t/r/4", b"d"), ("/t/r/5", b"e")], fence)
+    assert store.get("/t/r/4") is None and store.get("/t/r/5") is None

@@ -132,3 +132,19 @@ def test_fenced_record_is_refused_after_eviction():
     store.put(ROOT + "evict/0/0", b"dead")
     assert not record_commit(store, ROOT, 1, 0, 0, 1, {0: 1}, fence=fence)
     assert read_cursor(store, ROOT, 0) == 1 and not recorded(store, ROOT, 0, 1) and recorded(store, ROOT, 0, 0)
+
+
+def test_batched_records_are_fenced_together_and_advance_each_cursor_once():
+    from lightning_ft.replica.data import record_commits
+
+    store = MemoryStore()
+    store.put(ROOT + "members/1", b"r")
+    fence = {ROOT + "members/1": store.get(ROOT + "members/1").create_revision}
+    recs = [(n, 0, n, 0, {0: n, 1: n + 3}) for n in range(5)]  # steady rounds: every slot trains each step
+    assert record_commits(store, ROOT, 1, recs, fence)
+    assert read_cursors(store, ROOT, (0, 1)) == {0: 5, 1: 8}
+    rep = verify_ledger(store, ROOT)
+    assert rep.steps == 5 and rep.trained[0] == [0, 1, 2, 3, 4]
+    store.delete(ROOT + "members/1")
+    assert not record_commits(store, ROOT, 1, [(5, 0, 5, 0, {0: 5}), (6, 0, 6, 0, {0: 6})], fence)
+    assert read_cursors(store, ROOT, (0,)) == {0: 5} and not recorded(store, ROOT, 0, 5)
