@@ -387,7 +387,9 @@ class Coordinator:
         from lightning_ft.replica.data import recorded
 
         if previous is None:
-            return History(0)
+            from lightning_ft.replica.data import latest_gen
+
+            return History(0, gen=latest_gen(self.store, self._root))
         top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)
         if top > previous.max_step:
             return History(top)

@@ -197,6 +197,9 @@ class History:
     previous round's max_step (nothing can be lost then)."""
     checkpoints: tuple[tuple[int, str], ...] = ()
     """Published checkpoints of the current history: (step, path), any order."""
+    gen: int = 0
+    """The ledger's newest history generation: the generation of a job's first round (after
+    a `--resume` in the same keyspace it is the resume's new generation)."""
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,7 @@ def compute_quorum(
     members = tuple(sorted(valid))
     incs = tuple(valid[r].incarnation for r in members)
     member_set = frozenset(zip(members, incs))
-    gen = previous.gen if previous is not None else 0
+    gen = previous.gen if previous is not None else history.gen
     verified = previous.verified_step if previous is not None else -1
 
     # Rules 6-8: usable states, rewind, sync.

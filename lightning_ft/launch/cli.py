@@ -189,15 +189,17 @@ def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppCon
 
 
 def _seed_resume(endpoint: str, cfg, ckpt: str) -> None:
-    """A whole-job restart starts a fresh job keyspace whose cursors are the checkpoint's."""
+    """A whole-job restart: a new history generation at the checkpoint, in the job's keyspace
+    (its ledger stays, so exactly-once holds across the restart)."""
+    from lightning_ft.coord import keys
     from lightning_ft.coord.store import EtcdStore
-    from lightning_ft.replica.checkpoint import seed_job
+    from lightning_ft.replica.checkpoint import restart_job
 
     store = EtcdStore(endpoint)
     try:
-        root = f"{cfg.etcd.prefix.rstrip('/')}/{cfg.job}/"
-        store.delete_prefix(root)
-        seed_job(store, root, ckpt)
+        rec = restart_job(store, keys.root(cfg.etcd.prefix, cfg.job), ckpt)
+        print(f"lightning-ft: history generation {rec['gen']} starts at step {rec['to']}"
+              + (f" (the job had reached step {rec['from']})" if "from" in rec else ""), flush=True)
     finally:
         store.close()
 

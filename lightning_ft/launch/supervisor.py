@@ -488,14 +488,12 @@ class Supervisor:
             rep.restart_at = failed.restart_at
 
     def _resume_world(self) -> None:
-        """Before a world restart: the newest valid checkpoint, a fresh keyspace with its cursors."""
-        from lightning_ft.replica.checkpoint import newest_valid, seed_job
+        """Before a world restart: the newest valid checkpoint, and a new history generation at it."""
+        from lightning_ft.replica.checkpoint import newest_valid, restart_job
 
         found = newest_valid(self.checkpoint_root) if self.checkpoint_root else None
         try:
-            self._store.delete_prefix(self._root)
-            if found is not None:
-                seed_job(self._store, self._root, found[1])
+            restart_job(self._store, self._root, found[1] if found else None)
         except StoreError as e:
             log.warning("could not reset the job keyspace for a world restart: %s", e)
         if found is None:

@@ -346,12 +346,36 @@ def load(d: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pg: A
             "extra": torch.load(os.path.join(d, "extra.pt"), weights_only=True)}
 
 
-def seed_job(store: Any, root: str, ckpt: str) -> dict:
-    """A whole-job restart from `ckpt` in a fresh job keyspace `root`: generation 0 starts at
-    the checkpoint's step with its slot cursors. Returns its meta."""
-    from lightning_ft.replica.data import seed_generation
+def restart_job(store: Any, root: str, ckpt: Optional[str]) -> dict:
+    """A whole-job restart (`--resume`, or the restart-the-world baseline) in the job's keyspace.
 
-    meta = json.load(open(os.path.join(ckpt, "meta.json")))
-    seed_generation(store, root, 0, int(meta["step"]), {int(s): int(k) for s, k in meta.get("cursors", {}).items()},
-                    resumed_from=os.path.abspath(ckpt))
-    return meta
+    Everything about the running job goes (members, evictions, quorums, `finished`, `halt`,
+    the config fingerprint); the ledger, its generations and the published checkpoints stay.
+    A new history generation starts at the checkpoint's step with its slot cursors (step 0
+    and zero cursors without a checkpoint), so commits after it are superseded and the final
+    history stays exactly once across the restart. Returns the generation's record."""
+    from lightning_ft.coord import keys
+    from lightning_ft.replica.data import latest_gen, read_rewinds, seed_generation
+
+    for prefix in (keys.members(root), keys.evict(root), f"{root}left/", keys.quorum(root), f"{root}eval/"):
+        store.delete_prefix(prefix)
+    for key in (keys.finished(root), keys.halt(root), keys.config(root)):
+        store.delete(key)
+    old, _ = store.get_prefix(keys.commits(root))
+    rewinds = read_rewinds(store, root)
+    if ckpt is not None:
+        meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    else:
+        meta = {"step": 0, "cursors": {}}
+    if not old and not rewinds:  # a fresh keyspace (e.g. a new etcd): generation 0 starts here
+        gen, came_from = 0, None
+    else:
+        gen = latest_gen(store, root) + 1
+        steps = [keys.parse_commit(root, kv.key)[1] for kv in old if keys.parse_commit(root, kv.key)[0] == gen - 1]
+        came_from = max(steps) + 1 if steps else None
+    info: dict[str, Any] = {"resumed_from": os.path.abspath(ckpt) if ckpt else "", "checkpoint": ckpt or ""}
+    if came_from is not None:
+        info["from"] = came_from
+    seed_generation(store, root, gen, int(meta["step"]), {int(s): int(k) for s, k in meta.get("cursors", {}).items()},
+                    **info)
+    return {"gen": gen, "to": int(meta["step"]), **info}

@@ -260,7 +260,9 @@ class ReplicaManager:
         if self.is_leader:
             self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
                                      on_failure=self._on_failure, on_event=self.event, **self._coord_kw)
-            self.gen = ledger.latest_gen(self._store, self.root) if self.step == 0 else self.gen
+            # A new process holds an initial state or the resume's checkpoint: both belong to the
+            # ledger's newest generation.
+            self.gen = ledger.latest_gen(self._store, self.root)
             self.cursor = ledger.read_cursor(self._store, self.root, self.rid, self.gen)
             self.coord.register(self.step, addrs=[a for a, _ in addrs], state_addrs=[s for _, s in addrs],
                                 gen=self.gen, synced=self.synced, cursor=self.cursor)

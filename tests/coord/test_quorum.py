@@ -529,3 +529,9 @@ def test_steady_views_agree_or_someone_aborts(seed):
         assert len(set(nexts)) == 1
     elif any(n is not None for n in nexts):
         assert any(n is None and must_abort(q, v) for n, v in zip(nexts, views))
+
+
+def test_first_round_after_a_resume_in_the_same_keyspace_takes_the_ledgers_generation():
+    d = decide(0, [srep(r, 40, round=0, synced=False, gen=3) for r in range(3)], history=History(0, gen=3))
+    q = d.quorum
+    assert q.gen == 3 and q.kind == SYNC and q.max_step == 40 and q.rewind is None
