@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
             mgr.run_step(compute)
-        digests = mgr._gather(state_digest(model, opt))
+        digests = mgr.gather(state_digest(model, opt))
         if leader:
             emit(event="final", rid=rid, inc=inc, step=mgr.step, digest=digests)
     finally:

@@ -177,6 +177,9 @@ class FailureConfig:
     """The launcher waits this long before restarting a failed replica."""
     seed: int = 0
     """Seed of the random failure schedule (which replica, when, which kind)."""
+    signal_exception: bool = False
+    """Raise an injected exception at the next batch after the process gets SIGUSR1 (an
+    exception at a moment chosen from outside, e.g. by `bench.soak`)."""
 
 
 @dataclass
@@ -483,7 +486,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise _wrong_type(key, value, tp)
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{key}.{i}") for i, v in enumerate(value)]
-    if tp is int:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:

@@ -47,7 +47,9 @@ def test_defaults_match_the_design():
     assert cfg.ftar.transport == "tcp"
     assert cfg.ftar.chunk_bytes == 4 * 1024 * 1024
     assert (cfg.ftar.num_chunks, cfg.ftar.timeout_s, cfg.ftar.connect_timeout_s) == (4, 5.0, 5.0)
-    assert (cfg.ftar.num_programs, cfg.ftar.bind_host) == (2, "127.0.0.1")
+    assert cfg.ftar.num_programs == 2
+    assert (cfg.network.bind_host, cfg.network.advertise_host) == ("0.0.0.0", "")
+    assert cfg.consistency.every_n_steps >= 1 and cfg.supervisor.crash_loop == 3
     assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.dir, cfg.checkpoint.keep) == (100, "", 3)
     assert list(cfg.failure.events) == []
     assert (cfg.failure.mtbf_steps, list(cfg.failure.kinds)) == (0.0, ["kill"])
@@ -72,8 +74,9 @@ def test_every_config_field_has_a_docstring_right_below_it():
                 if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                         and isinstance(nxt.value.value, str)):
                     undocumented.append(f"{cls.name}.{stmt.target.id}")
-    assert sorted(c.name for c in classes) == ["CheckpointConfig", "EtcdConfig", "FTARConfig", "FTConfig",
-                                               "FailureConfig", "FailureEvent", "QuorumConfig"]
+    assert sorted(c.name for c in classes) == ["CheckpointConfig", "ConsistencyConfig", "EtcdConfig", "FTARConfig",
+                                               "FTConfig", "FailureConfig", "FailureEvent", "NetworkConfig",
+                                               "QuorumConfig", "SupervisorConfig"]
     assert undocumented == []
 
 
@@ -93,7 +96,8 @@ def test_to_yaml_round_trips_and_redacts_the_secret(tmp_path):
 def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
     cfg = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2"])
     assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2,
-                                "bucket_bytes": 4 << 20}
+                                "bucket_bytes": 4 << 20, "digest_every": cfg.consistency.every_n_steps,
+                                "checkpoint_every": 100}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                    "seed=3", "ftar.num_chunks=8", "run_dir=/tmp/x"])
     assert fingerprint(other) == fingerprint(cfg)
@@ -201,11 +205,11 @@ def test_int_override_of_a_float_field_becomes_a_float():
 
 def test_string_fields_keep_the_text_as_written():
     cfg = load_config(overrides=["job=123", "etcd.endpoint=10.0.0.1:2379", "run_dir='runs/a b'",
-                                 "ftar.bind_host=1:30"])
+                                 "network.advertise_host=1:30"])
     assert cfg.job == "123"
     assert cfg.etcd.endpoint == "10.0.0.1:2379"
     assert cfg.run_dir == "runs/a b"
-    assert cfg.ftar.bind_host == "1:30"  # YAML would have read sexagesimal 90
+    assert cfg.network.advertise_host == "1:30"  # YAML would have read sexagesimal 90
 
 
 def test_override_list_of_failure_events_and_one_item_field():
@@ -234,7 +238,7 @@ def test_unknown_top_level_key_lists_the_top_level_fields():
     msg = str(e.value)
     assert "unknown config key 'replica'" in msg
     assert "the top level has: job, replicas, nproc_per_replica, min_replicas, secret" in msg
-    assert "etcd, quorum, ftar, checkpoint, failure" in msg
+    assert "etcd, quorum, ftar, network, consistency, supervisor, checkpoint, failure" in msg
     assert "did you mean 'replicas'?" in msg
     assert e.value.key == "replica"
 
@@ -244,7 +248,7 @@ def test_unknown_nested_key_names_the_full_key_and_the_group_fields():
         load_config(overrides=["ftar.chunk_mbb=8"])
     msg = str(e.value)
     assert msg.startswith("unknown config key 'ftar.chunk_mbb'; ftar has: transport, chunk_bytes, num_chunks, "
-                          "bucket_bytes, timeout_s, connect_timeout_s, num_programs, bind_host")
+                          "bucket_bytes, timeout_s, connect_timeout_s, num_programs")
     assert "did you mean 'chunk_bytes'?" in msg
 
 
@@ -386,3 +390,36 @@ def test_parse_overrides_splits_overrides_from_script_args_in_order():
 
 def test_parse_overrides_of_nothing():
     assert parse_overrides([]) == ([], [])
+
+
+def test_every_config_key_is_read_by_the_code():
+    """A key that configs/default.yaml documents but no module reads would silently do nothing
+    (issue: ftar.num_programs, quorum.poll_interval_s, ... were never read)."""
+    import dataclasses
+    import pathlib
+    import re
+    import typing
+
+    from lightning_ft.config import FTConfig
+
+    def leaves(tp, prefix=""):
+        for f in dataclasses.fields(tp):
+            hint = typing.get_type_hints(tp)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from leaves(hint, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "lightning_ft"
+    code = "\n".join(p.read_text() for p in root.rglob("*.py"))
+    # these read the failure section they are given, as `cfg`
+    failure = (root / "launch" / "failure.py").read_text() + (root / "callbacks" / "failure.py").read_text()
+
+    def read(key: str) -> bool:
+        if re.search(r"\.%s\b" % re.escape(key), code):  # an attribute, e.g. cfg.ftar.num_programs
+            return True
+        section, _, name = key.rpartition(".")
+        return section == "failure" and re.search(r"\bcfg\.%s\b" % name, failure) is not None
+
+    unread = [k for k in leaves(FTConfig) if "." in k and not read(k)]
+    assert not unread, f"config keys no module reads: {unread}"

@@ -31,13 +31,23 @@ class FailureInjector(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         strategy = trainer.strategy
+        cfg = strategy.load_ft_config().failure
         if self.schedule is None:
-            self.schedule = FailureSchedule.from_config(strategy.load_ft_config().failure, strategy.num_replicas)
+            self.schedule = FailureSchedule.from_config(cfg, strategy.num_replicas)
+        self._signalled = False
+        if cfg.signal_exception:
+            signal.signal(signal.SIGUSR1, self._on_signal)
         mine = [e for e in self.schedule.events() if e.replica == strategy.rid]
         inc = strategy.incarnation
         self._mine = mine[inc] if inc < len(mine) else None
 
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled = True
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if getattr(self, "_signalled", False):
+            self._signalled = False
+            raise InjectedFailure(f"injected exception (SIGUSR1) in replica {trainer.strategy.rid}")
         inj = self._mine
         mgr = trainer.strategy.mgr
         if inj is None or self._fired or mgr is None or mgr.step < inj.step:

@@ -97,8 +97,8 @@ class Coordinator:
         """Members of the current quorum seen evicted or expired by the watches."""
         self._dead_lock = threading.Lock()
         self.changed = False
-        """A watch saw a change since the current round was adopted (failure, eviction, joiner,
-        new incarnation, our lease lapsed): the next round must be a full round."""
+        """A watch saw a change since our last full-round report (failure, eviction, joiner, new
+        incarnation, our lease lapsed): the next round must be a full round."""
         self._slow_poll_s = max(poll_interval_s * 5, 0.25)
         self._fallback_s = 2.0 * lease_ttl_s
 
@@ -243,6 +243,9 @@ class Coordinator:
         Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted,
         JobHalted if the job was stopped."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
+        # Changes seen from here on count for the round after this one: whatever happened before
+        # our report, the decider reads from etcd when it evaluates this round.
+        self.changed = self._lease_lost.is_set()
         state.setdefault("digest", "")
         state.setdefault("digest_step", -1)
         state.setdefault("blame", ())
@@ -314,7 +317,6 @@ class Coordinator:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
 
     def _adopt(self, q: Quorum) -> None:
-        self.changed = False
         with self._dead_lock:
             self._current = q
             self._dead = {m for m in self._dead if m in q.member_set()}

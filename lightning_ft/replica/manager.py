@@ -302,6 +302,14 @@ class ReplicaManager:
         except Exception as e:  # the rank may be gone already; its own errors will surface
             log.warning("replica %d: could not forward abort to %s: %s", self.rid, addr, e)
 
+    def gather(self, obj: Any) -> list:
+        """`obj` from every rank of this replica (all ranks call it), in rank order."""
+        return self._gather(obj)
+
+    def broadcast(self, obj: Any) -> Any:
+        """The leader's `obj` on every rank of this replica (all ranks call it)."""
+        return self._broadcast(obj)
+
     def _gather(self, obj: Any) -> list:
         if self.pg is None and self.world == 1:
             return [obj]

@@ -101,7 +101,7 @@ class CrossReplicaReducer:
                 out = self._leader_reduce(key, value.detach().to("cpu", torch.float64).reshape(-1).tolist(), op)
             except Exception as e:  # surfaced on every rank
                 out = e
-        out = mgr._broadcast(out)
+        out = mgr.broadcast(out)
         if isinstance(out, Exception):
             raise out
         return torch.tensor(out, dtype=value.dtype, device=value.device).reshape(value.shape)

@@ -157,8 +157,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         from lightning_ft.callbacks.failure import FailureInjector
 
         failures = self.cfg.failure
-        if (failures.events or failures.mtbf_steps > 0) and not any(isinstance(cb, FailureInjector)
-                                                                     for cb in trainer.callbacks):
+        scheduled = failures.events or failures.mtbf_steps > 0 or failures.signal_exception
+        if scheduled and not any(isinstance(cb, FailureInjector) for cb in trainer.callbacks):
             trainer.callbacks.append(FailureInjector())  # the job config schedules failures: inject them
 
     def _route_should_stop(self, trainer: Any) -> None:

@@ -51,7 +51,7 @@ def write_final(mgr: Any, model: torch.nn.Module, optimizer: Any, rank: int, rec
     """final.json: committed steps and a sha256 digest of every rank's state."""
     from lightning_ft.replica.digest import state_digest
 
-    digests = mgr._gather(state_digest(model, optimizer))
+    digests = mgr.gather(state_digest(model, optimizer))
     if rank == 0:
         with open(os.path.join(replica_dir(mgr.rid), "final.json"), "w") as f:
             json.dump({"rid": mgr.rid, "incarnation": mgr.incarnation, "step": mgr.step, "gen": mgr.gen,

@@ -65,8 +65,10 @@ def test_typical_program_with_callbacks_bf16_clipping_accumulation_under_faults(
     for v in vals:
         by_step.setdefault(v["step"], set()).add(round(v["val_loss"], 6))
     assert by_step and all(len(s) == 1 for s in by_step.values()), (by_step, faults)  # the same val_loss everywhere
-    tests = _rows(run, "test")
+    tests = _rows(run, "test")  # trainer.test, .validate and .predict after fit, on the final weights
     assert len(tests) == 3 and len({round(t["test_loss"], 6) for t in tests}) == 1, tests
+    assert len({round(t["val_loss"], 6) for t in tests}) == 1 and {t["predicted"] for t in tests} == {200}, tests
+    assert len({round(t["pred_sum"], 4) for t in tests}) == 1, tests
     ckpts = os.listdir(os.path.join(run.run_dir, "lightning_ckpts"))
     assert 1 <= len(ckpts) <= 2, ckpts  # one writer, save_top_k=2
 

@@ -51,6 +51,9 @@ class Regression(L.LightningDataModule):
     def test_dataloader(self):
         return DataLoader(self.test_set, batch_size=25)
 
+    def predict_dataloader(self):
+        return DataLoader(self.test_set, batch_size=50)
+
 
 class Net(L.LightningModule):
     def __init__(self, lr: float = 3e-3, total_steps: int = 100) -> None:
@@ -72,6 +75,9 @@ class Net(L.LightningModule):
     def test_step(self, batch, batch_idx):
         x, y = batch
         self.log("test_loss", nn.functional.mse_loss(self.net(x).float(), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
 
     def on_validation_end(self):
         if self.trainer.sanity_checking or self.global_rank != 0:
@@ -110,9 +116,13 @@ def main(argv: list[str]) -> int:
     model = Net(total_steps=a.steps + 10)
     trainer.fit(model, datamodule=dm)
     out = trainer.test(model, datamodule=dm, verbose=False)
+    val = trainer.validate(model, datamodule=dm, verbose=False)
+    preds = trainer.predict(model, datamodule=dm)
     if trainer.global_rank == 0:
-        print(json.dumps({"event": "test", "test_loss": out[0]["test_loss"], "step": trainer.global_step,
-                          "rid": int(os.environ.get("LFT_REPLICA_ID", -1))}), flush=True)
+        print(json.dumps({"event": "test", "test_loss": out[0]["test_loss"], "val_loss": val[0]["val_loss"],
+                          "predicted": sum(int(p.shape[0]) for p in preds), "pred_sum": float(sum(p.float().sum()
+                                                                                               for p in preds)),
+                          "step": trainer.global_step, "rid": int(os.environ.get("LFT_REPLICA_ID", -1))}), flush=True)
     return 0
 
 

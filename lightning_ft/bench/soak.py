@@ -1,0 +1,250 @@
+"""`make soak`: many mixed, overlapping faults against 3 replicas of examples/train_lm.py.
+
+    python -m lightning_ft.bench.soak [--faults 100] [--replicas 3] [--overlap 0.15] [--seed 0]
+                                      [--kinds kill,hang,exception,job]
+
+Faults land at random moments chosen from outside (never at step boundaries by design):
+kill (SIGKILL a process), hang (SIGSTOP a replica's leader until the launcher declares it
+hung), exception (SIGUSR1: the next batch raises, `failure.signal_exception`), and job (kill
+the launcher and every replica, then `lightning-ft run --resume`). With probability
+`--overlap` a fault hits two replicas at once. etcd runs outside the job with a data
+directory, so the ledger survives whole-job kills, and checks span every restart.
+
+At the end it verifies the final model's history from the ledger (lost and duplicated
+batches), the replicas' final digests, stalls (no committed step for `--hang-s`), and
+prints one line:
+
+    {"bench": "soak", "faults": N, "overlapping": n, "lost_batches": 0, "duplicate_batches": 0,
+     "rewinds": r, "identical": true, "hangs": 0, "ett": ...}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_LM = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "train_lm.py")
+
+
+def log(msg: str) -> None:
+    print(f"soak: {msg}", file=sys.stderr, flush=True)
+
+
+class Job:
+    """One `lightning-ft run` of the soak's training job (restarted by `--resume`)."""
+
+    def __init__(self, a: argparse.Namespace, etcd: str, run_dir: str) -> None:
+        self.a, self.etcd, self.run_dir = a, etcd, run_dir
+        self.proc: Optional[subprocess.Popen] = None
+        self.launches = 0
+
+    def launch(self, resume: bool = False) -> None:
+        a = self.a
+        cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(a.replicas),
+               "--nproc-per-replica", "1", "--etcd", self.etcd, "--job", "soak", "--no-status",
+               "--max-restarts", "100000", "--timeout", str(a.timeout)]
+        cmd += ["--resume", self.run_dir] if resume else ["--run-dir", self.run_dir]
+        cmd += [TRAIN_LM, "--steps", str(a.steps), "--val-every", "1000000", "--batch", "8", "--d", "32",
+                "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
+                "failure.signal_exception=true", "quorum.init_timeout_s=20",
+                f"checkpoint.every_n_steps={a.ckpt_every}", "checkpoint.keep=3", "secret=soak-secret-0123456789"]
+        out = open(os.path.join(self.run_dir, f"launcher.{self.launches}.log"), "w")
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.launches += 1
+
+    def replica_pids(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        path = os.path.join(self.run_dir, "events.jsonl")
+        if os.path.exists(path):
+            for line in open(path):
+                ev = json.loads(line)
+                if ev.get("event") in ("start", "restart") and "pids" in ev:
+                    out[ev["replica"]] = ev["pids"]
+        return {r: [p for p in ps if _alive(p)] for r, ps in out.items()}
+
+    def kill_all(self) -> None:
+        """The whole job dies at once: the launcher, and every replica process."""
+        pids = [p for ps in self.replica_pids().values() for p in ps]
+        if self.proc is not None and self.proc.poll() is None:
+            _signal(-self.proc.pid, signal.SIGKILL)
+        for p in pids:
+            _signal(p, signal.SIGCONT)
+            _signal(-p, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(30)
+
+    def committed(self) -> int:
+        best = 0
+        for rid in range(self.a.replicas):
+            path = os.path.join(self.run_dir, f"replica_{rid}", "steps.jsonl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    f.seek(max(0, os.path.getsize(path) - 4096))
+                    lines = f.read().decode(errors="replace").splitlines()
+                for line in reversed(lines):
+                    try:
+                        best = max(best, json.loads(line)["step"])
+                        break
+                    except (ValueError, KeyError):
+                        continue
+        return best
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        if pid < 0:
+            os.killpg(-pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def inject(job: Job, kind: str, rid: int, rng: random.Random, a: argparse.Namespace) -> bool:
+    pids = job.replica_pids().get(rid, [])
+    if kind != "job" and not pids:
+        return False
+    if kind == "kill":
+        _signal(rng.choice(pids), signal.SIGKILL)
+    elif kind == "exception":
+        _signal(pids[0], signal.SIGUSR1)
+    elif kind == "hang":  # stopped until the launcher declares it hung (lease TTL + grace) and kills it
+        _signal(pids[0], signal.SIGSTOP)
+    elif kind == "job":
+        job.kill_all()
+        time.sleep(rng.uniform(0.5, 2.0))
+        job.launch(resume=True)
+    return True
+
+
+def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
+    """Stretches of at least hang_s with no committed step on any replica."""
+    ts: list[float] = []
+    for rid in range(replicas):
+        path = os.path.join(run_dir, f"replica_{rid}", "steps.jsonl")
+        if os.path.exists(path):
+            for line in open(path):
+                try:
+                    ts.append(json.loads(line)["t"])
+                except (ValueError, KeyError):
+                    pass
+    ts.sort()
+    return sum(1 for x, y in zip(ts, ts[1:]) if y - x >= hang_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.etcd_server import EtcdServer
+    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.replica.data import read_cursors, verify_ledger
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--faults", type=int, default=100)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--overlap", type=float, default=0.15, help="probability that a fault hits two replicas")
+    p.add_argument("--kinds", default="kill,hang,exception,job")
+    p.add_argument("--every-s", type=float, default=4.0, help="mean seconds between faults")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: enough for the faults)")
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--hang-s", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=7200)
+    p.add_argument("--keep", default="", help="keep the run directory here")
+    a = p.parse_args(argv)
+    kinds = [k for k in a.kinds.split(",") if k]
+    rng = random.Random(a.seed)
+    tmp = tempfile.mkdtemp(prefix="lft-soak-")
+    run_dir = a.keep or os.path.join(tmp, "run")
+    os.makedirs(run_dir, exist_ok=True)
+    if not a.steps:  # about 4 steps a second here, plus restarts: generous, the job stops at the end anyway
+        a.steps = int(a.faults * a.every_s * 4 + 400)
+    srv = EtcdServer(data_dir=os.path.join(tmp, "etcd")).start()
+    job = Job(a, srv.endpoint, run_dir)
+    t0 = time.monotonic()
+    injected = overlapping = 0
+    by_kind: dict[str, int] = {}
+    try:
+        job.launch()
+        while job.committed() < 5 and time.monotonic() - t0 < 300:
+            time.sleep(0.2)
+        while injected < a.faults and job.proc.poll() is None:
+            time.sleep(rng.expovariate(1.0 / a.every_s))
+            if job.committed() >= a.steps - 50:
+                log("training is about to end before the faults are done; stopping early")
+                break
+            kind = rng.choice(kinds)
+            if kind == "job" and injected + 1 < a.faults and rng.random() < 0.5:
+                kind = rng.choice([k for k in kinds if k != "job"] or ["kill"])  # whole-job kills are costly
+            if kind != "job" and rng.random() < a.overlap and a.replicas > 1:
+                rids = rng.sample(range(a.replicas), 2)
+                done = [inject(job, kind if i == 0 else rng.choice([k for k in kinds if k != "job"] or [kind]),
+                               rid, rng, a) for i, rid in enumerate(rids)]
+                n = sum(done)
+                overlapping += 1 if n == 2 else 0
+            else:
+                n = int(inject(job, kind, rng.randrange(a.replicas), rng, a))
+            injected += n
+            by_kind[kind] = by_kind.get(kind, 0) + n
+            if n:
+                log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
+        log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish")
+        job.proc.wait(max(10.0, a.timeout - (time.monotonic() - t0)))
+        wall = time.monotonic() - t0
+        store = EtcdStore(srv.endpoint)
+        try:
+            root = keys.root("/lft", "soak")
+            rep = verify_ledger(store, root, read_cursors(store, root, range(a.replicas)))
+        finally:
+            store.close()
+        finals = []
+        for rid in range(a.replicas):
+            path = os.path.join(run_dir, f"replica_{rid}", "final.json")
+            if os.path.exists(path):
+                finals.append(json.load(open(path)))
+        identical = len(finals) == a.replicas and len({tuple(f["digest"]) for f in finals}) == 1
+        ett = None
+        try:
+            from lightning_ft.report import report
+
+            ett = report(run_dir).get("ett")
+        except Exception as e:  # the soak's figures do not depend on the report
+            log(f"report failed: {e}")
+        print(json.dumps({"bench": "soak", "faults": injected, "overlapping": overlapping,
+                          "lost_batches": len(rep.gaps), "duplicate_batches": len(rep.duplicates),
+                          "conflicts": len(rep.conflicts), "rewinds": len(rep.rewinds), "identical": identical,
+                          "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
+                          "superseded": rep.superseded, "by_kind": by_kind, "launches": job.launches,
+                          "launcher_rc": job.proc.returncode, "wall_s": round(wall, 1)}), flush=True)
+        ok = identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+        return 0 if ok else 1
+    finally:
+        job.kill_all()
+        srv.cleanup()
+        if not a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
