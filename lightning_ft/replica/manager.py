@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.quorum import JobSpec, Quorum
-from lightning_ft.coord.store import EtcdStore, Store
+from lightning_ft.coord.store import Store, store_from_config
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.transport.base import FTARError, FatalError
 from lightning_ft.replica import data as ledger
@@ -119,7 +119,7 @@ class ReplicaManager:
                  lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20, num_chunks: int = 4,
                  ftar_timeout_s: float = 5.0, quorum_timeout_s: Optional[float] = None,
                  bind_host: str = "127.0.0.1",
-                 fingerprint: Optional[dict] = None, scheduler: Any = None) -> None:
+                 fingerprint: Optional[dict] = None, scheduler: Any = None, etcd_config: Any = None) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -131,6 +131,8 @@ class ReplicaManager:
         self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
         self.secret = secret
         self._etcd, self._store = etcd, store
+        self._etcd_config = etcd_config
+        """The job's `etcd` config section (TLS, auth, connect timeout); None: $LFT_CONFIG's or defaults."""
         self.prefix = prefix
         self.root = f"{prefix.rstrip('/')}/{job}/"
         self.lr_mode = lr_intervention
@@ -189,7 +191,7 @@ class ReplicaManager:
         self._rank_addrs = [a for a, _ in addrs]
         if self.is_leader:
             if self._store is None:
-                self._store = EtcdStore(self._etcd)
+                self._store = store_from_config(self._etcd_config, self._etcd)
             self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
                                      on_failure=self._on_failure, **self._coord_kw)
             self.cursor = ledger.read_cursor(self._store, self.root, self.rid)

@@ -286,7 +286,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
             lr_intervention=cfg.lr_intervention, chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks,
             ftar_timeout_s=cfg.ftar.timeout_s, bind_host=cfg.ftar.bind_host, fingerprint=fingerprint(cfg),
-            scheduler=self._schedulers)
+            scheduler=self._schedulers, etcd_config=cfg.etcd)
         self.mgr.on_commit = self._on_commit
         resume = os.environ.get("LFT_RESUME")
         if resume:
