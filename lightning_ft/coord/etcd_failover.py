@@ -95,8 +95,8 @@ def use_tls(eps: Sequence[Endpoint], tls_files: bool) -> bool:
 # Messages of etcd's gRPC errors (etcd/api/v3rpc/rpctypes) that mean "this member cannot serve
 # now": a leader election, a member that lost its leader, a slow or stopping server.
 _TRANSIENT_TEXT = ("no leader", "leader changed", "not leader", "request timed out", "timed out",
-                   "server stopped", "too many requests", "not capable", "unhealthy cluster",
-                   "raft: stopped", "connection", "transport")
+                   "deadline exceeded", "context canceled", "server stopped", "too many requests",
+                   "not capable", "unhealthy cluster", "raft: stopped", "connection", "transport")
 _RETRY_CODES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "CANCELLED"}
 
 

@@ -165,7 +165,10 @@ class EtcdServer:
         return cmd
 
     def start(self, timeout_s: float = 10.0, wait: bool = True) -> "EtcdServer":
-        """Start the process; with `wait`, return once it is healthy (it has a leader)."""
+        """Start the process; with `wait`, return once it is healthy (it has a leader).
+
+        The member is killed when the *thread* that started it exits (PR_SET_PDEATHSIG), so
+        start it from a thread that lives as long as it should, e.g. the main thread."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, preexec_fn=_die_with_parent)

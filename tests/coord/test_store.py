@@ -1,4 +1,5 @@
-"""One contract, two stores: every test runs against MemoryStore and a real etcd."""
+"""One contract, two stores: every test runs against MemoryStore, a real etcd, and a real
+3-member etcd cluster reached through all its endpoints."""
 from __future__ import annotations
 
 import threading
@@ -9,12 +10,22 @@ import pytest
 from lightning_ft.coord.store import EtcdStore, LeaseExpired, MemoryStore, StoreError
 
 
-@pytest.fixture(params=["memory", "etcd"])
+@pytest.fixture(scope="module")
+def etcd_cluster():
+    from lightning_ft.coord.etcd_server import EtcdCluster
+
+    c = EtcdCluster(3).start()
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture(params=["memory", "etcd", "etcd-cluster"])
 def store(request):
     if request.param == "memory":
         s = MemoryStore()
     else:
-        s = EtcdStore(request.getfixturevalue("etcd_endpoint"))
+        s = EtcdStore(request.getfixturevalue("etcd_endpoint") if request.param == "etcd"
+                      else request.getfixturevalue("etcd_cluster").endpoint)
         s.delete_prefix("/t/")
     yield s
     s.close()
