@@ -333,10 +333,15 @@ class EtcdCluster:
         return out
 
     def stop(self) -> None:
+        """SIGTERM every member at once (a leader hands over first, which takes a while), then wait."""
+        for s in self.servers:
+            if s.running:
+                s.proc.send_signal(signal.SIGTERM)
         for s in self.servers:
             s.stop()
 
     def cleanup(self) -> None:
+        self.stop()
         for s in self.servers:
             s.cleanup()
         if self._own_dir:

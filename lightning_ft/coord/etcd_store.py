@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 PASSWORD_ENV = "LFT_ETCD_PASSWORD"
 """Environment variable with the etcd password (the launcher passes it to its replicas)."""
+FAIL_FAST_S = 1.0
+"""After one request waited connect_timeout_s for etcd in vain, the next ones wait this long."""
 REDACTED = "***"
 """How a saved config.yaml shows a password (see config.to_yaml)."""
 
@@ -126,6 +128,8 @@ class EtcdStore(Store):
         self._token: Optional[str] = None if self.user else ""
         """"": no token needed; None: authenticate before the next request."""
         self._lease_ttl: dict[int, float] = {}
+        self._unreachable = False
+        """The last request found no member for the whole outage deadline."""
         self._closed = False
         self._watch_lock = threading.Lock()
         self._watches: dict[int, _Watch] = {}
@@ -144,8 +148,11 @@ class EtcdStore(Store):
     # -- one RPC, with failover ------------------------------------------------------------------
     def _call(self, what: str, rpc: Callable[[int, float, Any], Any], lease_ttl_s: Optional[float] = None) -> Any:
         """Run `rpc(member, timeout, metadata)` until it succeeds, failing over between members
-        and riding out an outage of up to `connect_timeout_s`."""
-        deadline = time.monotonic() + self.connect_timeout_s
+        and riding out an outage of up to `connect_timeout_s`. Once a request has waited that
+        long in vain, later ones wait only `FAIL_FAST_S` until one gets through again (a
+        replica on its way out, a launcher evicting, should not wait a full timeout per request)."""
+        wait_s = min(FAIL_FAST_S, self.connect_timeout_s) if self._unreachable else self.connect_timeout_s
+        deadline = time.monotonic() + wait_s
         waits = backoff()
         failed = reauths = 0
         while True:
@@ -155,7 +162,9 @@ class EtcdStore(Store):
             try:
                 if token is None:
                     token = self._authenticate(i, timeout)
-                return rpc(i, timeout, (("token", token),) if token else None)
+                result = rpc(i, timeout, (("token", token),) if token else None)
+                self._unreachable = False
+                return result
             except grpc.RpcError as e:
                 code, details = e.code().name, e.details() or ""
                 action = classify(code, details)
@@ -179,10 +188,11 @@ class EtcdStore(Store):
                 if now >= deadline:
                     extra = hint(code, details, self.tls, self.user)
                     last = f"{self._eps[i]}: {code}: {details}"
+                    self._unreachable = True
                     raise StoreError(
-                        f"etcd {what}: no etcd member answered for {self.connect_timeout_s:.1f}s (etcd.connect_"
-                        f"timeout_s) at {self.endpoint}; last error {last}" + (f"; {extra}" if extra else ""),
-                        unreachable=True, last_error=last, hint=extra) from e
+                        f"etcd {what}: no etcd member answered for {wait_s:.1f}s (etcd.connect_timeout_s="
+                        f"{self.connect_timeout_s:g}) at {self.endpoint}; last error {last}"
+                        + (f"; {extra}" if extra else ""), unreachable=True, last_error=last, hint=extra) from e
                 if failed and failed % len(self._eps) == 0:
                     time.sleep(min(next(waits), deadline - now))
 

@@ -63,8 +63,31 @@ def test_an_outage_longer_than_connect_timeout_is_a_clear_error(own_etcd):
         assert 1.0 <= time.monotonic() - t0 < 3.0
         msg = str(e.value)
         assert "etcd put /lft/job/commits/000000000007/0: no etcd member answered for 1.0s" in msg
-        assert "etcd.connect_timeout_s" in msg and own_etcd.endpoint in msg
+        assert "etcd.connect_timeout_s=1" in msg and own_etcd.endpoint in msg
         assert e.value.unreachable
+    finally:
+        s.close()
+
+
+def test_after_one_request_timed_out_the_next_ones_fail_fast_until_etcd_answers(own_etcd):
+    s = EtcdStore(own_etcd.endpoint, connect_timeout_s=4.0)
+    try:
+        own_etcd.kill()
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="no etcd member answered for 4.0s"):
+            s.put("/o/a", b"1")
+        assert time.monotonic() - t0 >= 4.0
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match=r"no etcd member answered for 1.0s \(etcd.connect_timeout_s=4\)"):
+            s.lease_revoke(1234)  # e.g. a replica leaving after the outage
+        assert time.monotonic() - t0 < 2.5
+        own_etcd.start()
+        s.put("/o/a", b"1")  # one success: the full deadline again
+        own_etcd.kill()
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="no etcd member answered for 4.0s"):
+            s.get("/o/a")
+        assert time.monotonic() - t0 >= 4.0
     finally:
         s.close()
 
