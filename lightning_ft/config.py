@@ -508,6 +508,9 @@ def _etcd_problems(e: Any) -> list[tuple[str, str]]:
     elif e.members > 1 and (e.endpoint or len(e.endpoints)):
         out.append(("etcd.members", f"etcd.members={e.members}: sizes the embedded etcd, which is started only "
                                     "without etcd.endpoint(s); drop one of them"))
+    if not (e.endpoint or len(e.endpoints)) and (e.ca_cert or e.cert or e.key or e.user):
+        out.append(("etcd.endpoints", "etcd TLS and user settings are for an external etcd: set etcd.endpoint(s) "
+                                      "(or --etcd https://HOST:PORT); the embedded etcd is plaintext on loopback"))
     if bool(e.cert) != bool(e.key):
         out.append(("etcd.cert", "etcd.cert and etcd.key go together: set both (client certificate and key) "
                                  "or neither"))

@@ -107,6 +107,8 @@ def classify(code: str, details: str) -> Action:
         return Action.LEASE
     if code == "UNAUTHENTICATED" or "invalid auth token" in text or "revision of auth store is old" in text:
         return Action.REAUTH
+    if code == "RESOURCE_EXHAUSTED" and "larger than max" in text:
+        return Action.FATAL  # a response over the client's message limit: it will not shrink
     if code in _RETRY_CODES:
         return Action.RETRY
     if code == "UNKNOWN" and any(t in text for t in _TRANSIENT_TEXT):

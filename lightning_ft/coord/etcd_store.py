@@ -18,13 +18,12 @@ per member. What happens when a request fails is decided by the pure etcd_failov
   silent downgrade), **auth** by user and password; the token is renewed when etcd forgets it
   (simple tokens do not survive a restart).
 
-`store_from_config(cfg.etcd)` builds one from a job's `etcd` config section.
+`store_from_config(cfg.etcd)` (etcd_config.py) builds one from a job's `etcd` config section.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import threading
 import time
@@ -40,12 +39,8 @@ from .store import KV, Event, LeaseExpired, Store, StoreError, WatchCallback
 
 log = logging.getLogger(__name__)
 
-PASSWORD_ENV = "LFT_ETCD_PASSWORD"
-"""Environment variable with the etcd password (the launcher passes it to its replicas)."""
 FAIL_FAST_S = 1.0
 """After one request waited connect_timeout_s for etcd in vain, the next ones wait this long."""
-REDACTED = "***"
-"""How a saved config.yaml shows a password (see config.to_yaml)."""
 
 _CHANNEL_OPTIONS = [
     # Reconnect to a restarted member within a quarter second (gRPC's default backoff grows to 120 s).
@@ -58,15 +53,15 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-class _Unanswered(grpc.RpcError):
-    """A member that answered without an answer: retried like an unavailable one."""
+class _RpcError(grpc.RpcError):
+    """An outcome we turn into a gRPC error, so that `classify` treats it like one of etcd's."""
 
-    def __init__(self, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self._details = details
+        self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self) -> str:
         return self._details
@@ -108,7 +103,7 @@ class EtcdStore(Store):
         except ValueError as e:
             raise StoreError(str(e)) from None
         if user and not password:
-            raise StoreError(f"etcd.user is {user!r} but no password is set: set {PASSWORD_ENV} (or etcd.password)")
+            raise StoreError(f"etcd.user is {user!r} but no password is set: set LFT_ETCD_PASSWORD (or etcd.password)")
         self.endpoint = format_endpoints(self._eps)
         self.connect_timeout_s = connect_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -174,13 +169,9 @@ class EtcdStore(Store):
                     raise LeaseExpired(f"etcd {what}: lease expired or was revoked") from e
                 reauths = reauths + 1 if action is Action.REAUTH else 0
                 if action is Action.FATAL or (action is Action.REAUTH and (not self.user or reauths > 3)):
-                    extra = hint(code, details, self.tls, self.user)
-                    raise StoreError(f"etcd {what} failed at {self._eps[i]}: {code}: {details}"
-                                     + (f"; {extra}" if extra else ""), hint=extra) from e
+                    raise self._refusal(what, i, code, details) from e
                 if action is Action.REAUTH:
-                    with self._lock:
-                        if self._token == token:
-                            self._token = None
+                    self._forget_token(token)
                 else:
                     self._rotate(i)
                     failed += 1
@@ -196,10 +187,22 @@ class EtcdStore(Store):
                 if failed and failed % len(self._eps) == 0:
                     time.sleep(min(next(waits), deadline - now))
 
+    def _refusal(self, what: str, i: int, code: str, details: str) -> StoreError:
+        """The error for a request that member `i` refused and retrying cannot help, with a hint."""
+        extra = hint(code, details, self.tls, self.user)
+        return StoreError(f"etcd {what} failed at {self._eps[i]}: {code}: {details}" + (f"; {extra}" if extra else ""),
+                          hint=extra)
+
     def _rotate(self, failed: int) -> None:
         with self._lock:
             if self._current == failed:
                 self._current = (failed + 1) % len(self._eps)
+
+    def _forget_token(self, token: Optional[str]) -> None:
+        """etcd refused `token`: authenticate before the next request (unless another thread did)."""
+        with self._lock:
+            if self._token == token:
+                self._token = None
 
     def _authenticate(self, i: int, timeout: float) -> str:
         """A fresh token from member `i` (raises grpc.RpcError like any RPC)."""
@@ -215,9 +218,6 @@ class EtcdStore(Store):
         with self._lock:
             self._token = token
         return token
-
-    def _metadata(self) -> Any:
-        return (("token", self._token),) if self._token else None
 
     # -- Store ------------------------------------------------------------------------------------
     @staticmethod
@@ -277,9 +277,9 @@ class EtcdStore(Store):
                     # During a leader change a member may answer TTL 0 with an empty header; a
                     # lease that is really gone comes with the answering member's id.
                     if resp.TTL <= 0 and not resp.header.member_id:
-                        raise _Unanswered("keepalive answered without a member (leader change)")
+                        raise _RpcError(grpc.StatusCode.UNAVAILABLE, "keepalive answered by no member")
                     return resp
-                raise _Unanswered("keepalive stream ended without an answer")
+                raise _RpcError(grpc.StatusCode.UNAVAILABLE, "keepalive stream ended without an answer")
             finally:
                 call.cancel()
 
@@ -397,7 +397,9 @@ class _Watch:
                 if self._cancelled.is_set():
                     call.cancel()
                 for resp in call:
-                    if resp.created:
+                    if resp.canceled and "permission denied" in resp.cancel_reason:
+                        raise _RpcError(grpc.StatusCode.PERMISSION_DENIED, resp.cancel_reason)
+                    if resp.created and not resp.canceled:
                         self._created.set()
                         down_since, waits = None, backoff()
                     if resp.compact_revision:
@@ -414,15 +416,11 @@ class _Watch:
                 code, details = e.code().name, e.details() or ""
                 action = classify(code, details)
                 if action is Action.REAUTH and store.user:
-                    with store._lock:
-                        if store._token == token:
-                            store._token = None
+                    store._forget_token(token)
                 elif action is Action.RETRY:
                     store._rotate(i)
                 else:
-                    extra = hint(code, details, store.tls, store.user)
-                    err = StoreError(f"etcd watch on {self._prefix} failed at {store._eps[i]}: {code}: {details}"
-                                     + (f"; {extra}" if extra else ""), hint=extra)
+                    err = store._refusal(f"watch on {self._prefix}", i, code, details)
                     if not self._created.is_set():
                         self._error = err
                         self._created.set()
@@ -456,53 +454,3 @@ class _Watch:
             call = self._call
         if call is not None:
             call.cancel()
-
-
-# -- from a job's config -------------------------------------------------------------------------
-
-def password_of(cfg: Any) -> str:
-    """The etcd password: `etcd.password`, unless empty or redacted ("***" in a saved
-    config.yaml), else $LFT_ETCD_PASSWORD."""
-    pw = str(getattr(cfg, "password", "") or "")
-    if pw and pw != REDACTED:
-        return pw
-    env = os.environ.get(PASSWORD_ENV, "")
-    if not env and pw == REDACTED:
-        raise StoreError(f"the etcd password is redacted ({REDACTED}) in this saved config: set {PASSWORD_ENV}")
-    return env
-
-
-def config_endpoints(cfg: Any) -> list[str]:
-    """The endpoints of an `etcd` config section: `endpoints`, else `endpoint` (commas allowed)."""
-    eps = [str(e) for e in (getattr(cfg, "endpoints", None) or [])]
-    one = str(getattr(cfg, "endpoint", "") or "")
-    return eps or [e for e in one.split(",") if e.strip()]
-
-
-def store_from_config(cfg: Any = None, endpoints: str | Sequence[str] | None = None,
-                      connect_timeout_s: Optional[float] = None) -> EtcdStore:
-    """An EtcdStore for a job's `etcd` config section: its endpoints (or `endpoints`, e.g. the
-    embedded cluster's or $LFT_ETCD), TLS files, user and password, and connect_timeout_s
-    (unless given).
-
-    `cfg` None: the `etcd` section of $LFT_CONFIG when set (what `lightning-ft run` gives every
-    process), else the defaults."""
-    if cfg is None:
-        path = os.environ.get("LFT_CONFIG")
-        if path:
-            from lightning_ft.config import load_config
-
-            cfg = load_config(path).etcd
-        else:
-            from lightning_ft.config import EtcdConfig
-
-            cfg = EtcdConfig()
-    eps = endpoints if endpoints else config_endpoints(cfg)
-    if not eps:
-        raise StoreError("no etcd endpoint: set etcd.endpoints (or --etcd HOST:PORT), or let `lightning-ft run` "
-                         "start an embedded etcd")
-    user = str(cfg.user or "")
-    timeout = float(cfg.connect_timeout_s) if connect_timeout_s is None else connect_timeout_s
-    return EtcdStore(eps, connect_timeout_s=timeout, ca_cert=str(cfg.ca_cert) or None,
-                     cert=str(cfg.cert) or None, key=str(cfg.key) or None, user=user or None,
-                     password=password_of(cfg) if user else None)

@@ -1,8 +1,8 @@
 """The coordination store: one small key-value contract, two implementations (DESIGN §3).
 
 `EtcdStore` (etcd_store.py) talks to a real etcd v3 cluster through etcd-sdk-python's gRPC
-stubs, failing over between members; `store_from_config(cfg.etcd)` builds one from a job's
-config. `MemoryStore` is an in-process stand-in for unit tests. Both pass the same contract tests
+stubs, failing over between members; `store_from_config(cfg.etcd)` (etcd_config.py) builds one
+from a job's config. `MemoryStore` is an in-process stand-in for unit tests. Both pass the same contract tests
 (tests/coord/test_store.py), so code written against `Store` behaves the same on either.
 
 Keys and values are `str` and `bytes`. Every mutation returns the store revision after it,
@@ -298,10 +298,15 @@ class MemoryStore(Store):
 
 
 def __getattr__(name: str):
-    # EtcdStore and store_from_config live in etcd_store.py (gRPC is imported only when used);
+    # EtcdStore and store_from_config live in etcd_store.py / etcd_config.py (gRPC is imported
+    # only when they are used);
     # `from lightning_ft.coord.store import EtcdStore` keeps working.
-    if name in ("EtcdStore", "store_from_config"):
-        from . import etcd_store
+    if name == "EtcdStore":
+        from .etcd_store import EtcdStore
 
-        return getattr(etcd_store, name)
+        return EtcdStore
+    if name == "store_from_config":
+        from .etcd_config import store_from_config
+
+        return store_from_config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

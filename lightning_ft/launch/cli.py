@@ -46,9 +46,10 @@ def _cmd_etcd(a: argparse.Namespace) -> int:
         return 1
     n = len(cluster.servers)
     what = f"{n} members" if n > 1 else "1 member"
+    wildcard = " (with this machine's address for the wildcard host)" if a.host in ("0.0.0.0", "::") else ""
     print(f"etcd listening on {cluster.endpoint} ({what}, data in {cluster.data_dir}, "
           f"fsync {'OFF (--unsafe-no-fsync)' if a.unsafe_no_fsync else 'on'}); pass --etcd {cluster.endpoint} "
-          "to jobs. Ctrl-C stops it.", flush=True)
+          f"to jobs{wildcard}. Ctrl-C stops it.", flush=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):

@@ -18,7 +18,8 @@ import time
 from typing import Any, Callable, Optional
 
 from lightning_ft.coord.etcd_server import EtcdCluster
-from lightning_ft.coord.etcd_store import PASSWORD_ENV, REDACTED, EtcdStore, config_endpoints, store_from_config
+from lightning_ft.coord.etcd_config import PASSWORD_ENV, REDACTED, config_endpoints, store_from_config
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.coord.store import StoreError
 
 EXIT_ETCD_LOST = 75

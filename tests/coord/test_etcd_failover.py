@@ -96,6 +96,7 @@ def test_use_tls_refuses_contradictions():
     ("INVALID_ARGUMENT", "etcdserver: authentication failed, invalid user ID or password", Action.FATAL),
     ("INVALID_ARGUMENT", "etcdserver: request is too large", Action.FATAL),
     ("OUT_OF_RANGE", "etcdserver: mvcc: required revision has been compacted", Action.FATAL),
+    ("RESOURCE_EXHAUSTED", "Received message larger than max (300000000 vs. 268435456)", Action.FATAL),
     ("FAILED_PRECONDITION", "etcdserver: authentication is not enabled", Action.FATAL),
     ("UNKNOWN", "something else entirely", Action.FATAL),
 ])

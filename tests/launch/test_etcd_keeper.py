@@ -126,7 +126,6 @@ def get(url: str) -> str:
 
 def test_sigkilled_etcd_leader_member_loses_no_step_and_rejoins(tmp_path, procs):
     run_dir, steps, job = tmp_path / "run", 120, "lead" + uuid.uuid4().hex[:6]
-    job_line = None
     run = Launcher(procs, "--replicas", "2", "--etcd-members", "3", "--run-dir", str(run_dir), "--no-status",
                    "--timeout", "200", LOOP, *LOOP_ARGS, "--steps", str(steps), "--step-sleep", "0.05", f"job={job}")
     try:
@@ -135,7 +134,8 @@ def test_sigkilled_etcd_leader_member_loses_no_step_and_rejoins(tmp_path, procs)
         assert len(endpoints) == 3
         wait_for_step(run_dir, 30)
         members = etcd_children(run.proc.pid)
-        leader = [name for name, pid in members.items() if "\netcd_server_is_leader 1" in get(member_url(pid, "/metrics"))]
+        leader = [name for name, pid in members.items()
+                  if "\netcd_server_is_leader 1" in get(member_url(pid, "/metrics"))]
         assert len(leader) == 1, members
         url = member_url(members[leader[0]], "/health")
         os.kill(members[leader[0]], signal.SIGKILL)
