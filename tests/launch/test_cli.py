@@ -206,3 +206,24 @@ def test_lightning_ft_etcd_members_3_restarts_a_killed_member(procs):
         s.close()
     p.send_signal(signal.SIGTERM)
     assert p.wait(15) == 0
+
+
+def test_lightning_ft_etcd_serves_tls_and_checks_its_tls_flags(tmp_path, procs):
+    from tests.coord.certs import CA
+
+    ca = CA(str(tmp_path))
+    server, client = ca.issue("etcd-server", server=True), ca.issue("client", server=False)
+    etcd = [sys.executable, "-m", "lightning_ft.launch.cli", "etcd", "--unsafe-no-fsync"]
+    r = subprocess.run(etcd + ["--cert-file", server.cert], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--cert-file and --key-file go together" in r.stderr
+    port = free_port()
+    p = subprocess.Popen(etcd + ["--port", str(port), "--cert-file", server.cert, "--key-file", server.key,
+                                 "--client-ca-file", ca.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(p)
+    assert f"etcd listening on https://127.0.0.1:{port} " in readline(p.stdout)
+    s = EtcdStore(f"https://127.0.0.1:{port}", connect_timeout_s=5, ca_cert=ca.path, cert=client.cert, key=client.key)
+    s.put("/tls", b"1")
+    assert s.get("/tls").value == b"1"
+    s.close()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0
