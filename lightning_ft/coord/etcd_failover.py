@@ -146,11 +146,12 @@ def backoff(first_s: float = 0.02, cap_s: float = 0.25, factor: float = 2.0) -> 
 
 
 def attempt_timeout(rpc_timeout_s: float, left_s: float, floor_s: float = 0.2,
-                    lease_ttl_s: Optional[float] = None) -> float:
+                    lease_ttl_s: Optional[float] = None, keepalive_floor_s: float = 0.5) -> float:
     """The deadline of one attempt: the RPC timeout, but no later than the outage deadline
-    (`left_s`, at least `floor_s`), and for a lease keepalive a quarter of the TTL, so that a
-    stalled member cannot make a healthy lease lapse before we try the next one."""
+    (`left_s`, at least `floor_s`), and for a lease keepalive half the TTL (at least
+    `keepalive_floor_s`: a loaded machine answers slowly, and a keepalive cut short refreshes
+    nothing), so that a stalled member leaves time to try the next one before the lease lapses."""
     t = min(rpc_timeout_s, max(left_s, floor_s))
     if lease_ttl_s is not None:
-        t = min(t, max(lease_ttl_s / 4.0, floor_s))
+        t = min(t, max(lease_ttl_s / 2.0, keepalive_floor_s))
     return t

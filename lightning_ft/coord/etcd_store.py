@@ -13,7 +13,7 @@ per member. What happens when a request fails is decided by the pure etcd_failov
   the last event delivered, so no event is lost or repeated.
 - **Leases** survive a leader change and a restart: etcd grants every lease a fresh TTL when a
   new leader takes over, so a keepalive that gets through within the TTL after the outage keeps
-  the lease. Keepalive attempts are cut at TTL/4 so a stalled member cannot make one lapse.
+  the lease. Keepalive attempts are cut at TTL/2, leaving time to try another member.
 - **TLS** for https:// endpoints or when a CA / client certificate is configured (never a
   silent downgrade), **auth** by user and password; the token is renewed when etcd forgets it
   (simple tokens do not survive a restart).

@@ -129,10 +129,11 @@ def test_backoff_doubles_up_to_its_cap():
     (2.0, 10.0, None, 2.0),   # the RPC timeout
     (2.0, 0.5, None, 0.5),    # no later than the outage deadline
     (2.0, 0.01, None, 0.2),   # ... but a last attempt gets a little time
-    (2.0, 10.0, 1.0, 0.25),   # a keepalive: a quarter of the TTL
-    (2.0, 10.0, 3.0, 0.75),
-    (2.0, 10.0, 0.4, 0.2),
+    (2.0, 10.0, 3.0, 1.5),    # a keepalive: half the TTL
+    (2.0, 10.0, 1.0, 0.5),
+    (2.0, 10.0, 0.4, 0.5),    # ... but never less than half a second
     (0.5, 10.0, 30.0, 0.5),
+    (2.0, 0.3, 3.0, 0.3),
 ])
 def test_attempt_timeout(rpc, left, ttl, expected):
     assert attempt_timeout(rpc, left, lease_ttl_s=ttl) == pytest.approx(expected)
