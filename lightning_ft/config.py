@@ -63,15 +63,35 @@ class EtcdConfig:
     """Coordination store (DESIGN §3)."""
 
     endpoint: str = ""
-    """etcd address "host:port"; "" = the launcher starts an embedded etcd on loopback."""
+    """etcd address "host:port" (or "https://host:port"; several members separated by commas);
+    "" = the launcher starts an embedded etcd on loopback."""
     lease_ttl_s: float = 3.0
     """TTL of each replica leader's lease; a replica that stops keeping it alive is dropped after this."""
     hang_timeout_s: float = 30.0
     """A training loop that makes no progress for this long stops the lease keepalive, so it expires."""
     connect_timeout_s: float = 10.0
-    """Give up (with an error) when etcd stays unreachable this long; retries in between are bounded."""
+    """Every etcd request rides out an outage this long (retrying, failing over between members);
+    after it, the request fails with an error naming the endpoints. Keep it above the longest etcd
+    restart you want training to pause through rather than stop."""
     prefix: str = "/lft"
     """Root of the keyspace; a job's keys live under {prefix}/{job}/."""
+    endpoints: list[str] = field(default_factory=list)
+    """The members of an etcd cluster, e.g. [https://etcd-0:2379, https://etcd-1:2379]; the client
+    fails over between them. Use this or `endpoint`, not both."""
+    members: int = 1
+    """Members of the embedded etcd cluster the launcher starts when no endpoint is given; 3
+    survives the loss of one (`lightning-ft run --etcd-members 3`)."""
+    ca_cert: str = ""
+    """PEM file of the CA that signed etcd's server certificate; setting it (or cert/key) means TLS."""
+    cert: str = ""
+    """PEM client certificate for etcd servers that require one (with `key`)."""
+    key: str = ""
+    """PEM private key of `cert`."""
+    user: str = ""
+    """etcd user for authentication; "" = none."""
+    password: str = ""
+    """Password of `user`; "" = env LFT_ETCD_PASSWORD (better: it stays off the command line and
+    out of the saved config.yaml, which shows "***")."""
 
 
 @dataclass
@@ -288,11 +308,13 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
 
 
 def to_yaml(cfg: Any, *, redact_secret: bool = True) -> str:
-    """The config as YAML, e.g. to save next to a run; a non-empty secret is shown as "***"."""
+    """The config as YAML, e.g. to save next to a run; a non-empty secret or etcd password is shown as "***"."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
     if redact_secret and cfg.secret:
         cfg = OmegaConf.merge(cfg, {"secret": "***"})
+    if redact_secret and cfg.etcd.password:
+        cfg = OmegaConf.merge(cfg, {"etcd": {"password": "***"}})
     return OmegaConf.to_yaml(cfg)
 
 
@@ -348,8 +370,7 @@ def validate(cfg: Any) -> None:
     at_least("seed", cfg.seed, 0)
 
     e = cfg.etcd
-    if e.endpoint and not _is_host_port(e.endpoint):
-        bad("etcd.endpoint", e.endpoint, 'must be "" (embedded etcd) or "host:port"')
+    problems.extend(_etcd_problems(e))
     at_least("etcd.lease_ttl_s", e.lease_ttl_s, 0, strict=True)
     at_least("etcd.hang_timeout_s", e.hang_timeout_s, 0, strict=True)
     at_least("etcd.connect_timeout_s", e.connect_timeout_s, 0, strict=True)
@@ -524,9 +545,37 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _is_host_port(endpoint: str) -> bool:
-    host, sep, port = endpoint.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+def _etcd_problems(e: Any) -> list[tuple[str, str]]:
+    """(key, message) for each inconsistent or malformed etcd setting."""
+    from lightning_ft.coord.etcd_failover import parse_endpoints, use_tls
+
+    out: list[tuple[str, str]] = []
+    eps = []
+    for key, value in (("etcd.endpoint", e.endpoint), ("etcd.endpoints", list(e.endpoints))):
+        if value:
+            try:
+                eps = parse_endpoints(value)
+            except ValueError as err:
+                out.append((key, f'{key}={value!r}: must be "" (embedded etcd) or "host:port" ({err})'))
+    if e.endpoint and len(e.endpoints):
+        out.append(("etcd.endpoints", "etcd.endpoint and etcd.endpoints are both set: use one of them"))
+    if e.members < 1:
+        out.append(("etcd.members", f"etcd.members={e.members!r}: must be >= 1"))
+    elif e.members > 1 and (e.endpoint or len(e.endpoints)):
+        out.append(("etcd.members", f"etcd.members={e.members}: sizes the embedded etcd, which is started only "
+                                    "without etcd.endpoint(s); drop one of them"))
+    if not (e.endpoint or len(e.endpoints)) and (e.ca_cert or e.cert or e.key or e.user):
+        out.append(("etcd.endpoints", "etcd TLS and user settings are for an external etcd: set etcd.endpoint(s) "
+                                      "(or --etcd https://HOST:PORT); the embedded etcd is plaintext on loopback"))
+    if bool(e.cert) != bool(e.key):
+        out.append(("etcd.cert", "etcd.cert and etcd.key go together: set both (client certificate and key) "
+                                 "or neither"))
+    if eps:
+        try:
+            use_tls(eps, bool(e.ca_cert or e.cert or e.key))
+        except ValueError as err:
+            out.append(("etcd.endpoint" if e.endpoint else "etcd.endpoints", str(err)))
+    return out
 
 
 def _first_line(e: Exception) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from lightning_ft.coord.store import parse_endpoint
+from lightning_ft.coord.etcd_failover import parse_endpoint
 
 
 class AddressError(ValueError):
@@ -43,8 +43,8 @@ def route_to(host: str, port: int) -> str:
 
 def etcd_host(etcd: str) -> tuple[str, int]:
     """Host and port of the first etcd endpoint of `etcd` ("h:p", "http(s)://h:p", or a comma list)."""
-    first = etcd.split(",")[0].strip()
-    return parse_endpoint(first)
+    ep = parse_endpoint(etcd.split(",")[0])
+    return ep.host, ep.port
 
 
 def advertised(bind_host: str, advertise_host: str, etcd: str) -> str:

@@ -373,6 +373,40 @@ def test_validate_accepts_a_plain_dataclass_and_endpoints():
         assert load_config(overrides=[f"etcd.endpoint={endpoint}"]).etcd.endpoint == endpoint
 
 
+def test_etcd_endpoints_tls_and_auth_keys():
+    cfg = load_config(overrides=["etcd.endpoints=[https://e0:2379, https://e1:2379]", "etcd.ca_cert=/ca.pem",
+                                 "etcd.user=job"])
+    assert list(cfg.etcd.endpoints) == ["https://e0:2379", "https://e1:2379"] and cfg.etcd.members == 1
+    assert load_config(overrides=["etcd.endpoint=a:1,https://b:2"]).etcd.endpoint == "a:1,https://b:2"
+    assert load_config(overrides=["etcd.members=3"]).etcd.members == 3
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["etcd.endpoints=[a:1, b]"], "etcd.endpoints=['a:1', 'b']: must be \"\" (embedded etcd) or \"host:port\""),
+    (["etcd.endpoint=a:1", "etcd.endpoints=[b:2]"], "etcd.endpoint and etcd.endpoints are both set"),
+    (["etcd.endpoint=a:1,a:1"], "a:1 is listed twice"),
+    (["etcd.members=0"], "etcd.members=0: must be >= 1"),
+    (["etcd.members=3", "etcd.endpoint=a:1"], "etcd.members=3: sizes the embedded etcd"),
+    (["etcd.endpoint=https://a:1", "etcd.cert=/c.pem"], "etcd.cert and etcd.key go together"),
+    (["etcd.endpoint=http://a:1", "etcd.ca_cert=/ca.pem"], "http:// (plaintext) but etcd.ca_cert/cert/key are set"),
+    (["etcd.endpoint=http://a:1,https://b:1"], "mix http:// and https://"),
+    (["etcd.ca_cert=/ca.pem"], "etcd TLS and user settings are for an external etcd"),
+    (["etcd.user=job"], "etcd TLS and user settings are for an external etcd"),
+])
+def test_inconsistent_etcd_settings_are_refused_by_key(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert expected in str(e.value)
+    assert e.value.key.startswith("etcd.")
+
+
+def test_saved_config_hides_the_etcd_password():
+    cfg = load_config(overrides=["etcd.endpoint=a:1", "etcd.user=job", "etcd.password=hunter2"])
+    text = to_yaml(cfg)
+    assert "hunter2" not in text and "password: '***'" in text
+    assert cfg.etcd.password == "hunter2"
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 

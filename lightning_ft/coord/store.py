@@ -1,7 +1,8 @@
 """The coordination store: one small key-value contract, two implementations (DESIGN §3).
 
-`EtcdStore` talks to a real etcd v3 server through etcd-sdk-python (`import pyetcd`).
-`MemoryStore` is an in-process stand-in for unit tests. Both pass the same contract tests
+`EtcdStore` (etcd_store.py) talks to a real etcd v3 cluster through etcd-sdk-python's gRPC
+stubs, failing over between members; `store_from_config(cfg.etcd)` (etcd_config.py) builds one
+from a job's config. `MemoryStore` is an in-process stand-in for unit tests. Both pass the same contract tests
 (tests/coord/test_store.py), so code written against `Store` behaves the same on either.
 
 Keys and values are `str` and `bytes`. Every mutation returns the store revision after it,
@@ -23,7 +24,16 @@ log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
-    """The store could not be reached or refused a request."""
+    """The store could not be reached or refused a request.
+
+    `unreachable`: no etcd member answered within the outage deadline (etcd.connect_timeout_s);
+    `last_error`: the last member's error then; `hint`: what the user can do about it."""
+
+    def __init__(self, message: str, *, unreachable: bool = False, last_error: str = "", hint: str = "") -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+        self.last_error = last_error
+        self.hint = hint
 
 
 class LeaseExpired(StoreError):
@@ -310,215 +320,16 @@ class MemoryStore(Store):
         self._closed.set()
 
 
-# ---------------------------------------------------------------------------------------------
-# EtcdStore
-# ---------------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    # EtcdStore and store_from_config live in etcd_store.py / etcd_config.py (gRPC is imported
+    # only when they are used);
+    # `from lightning_ft.coord.store import EtcdStore` keeps working.
+    if name == "EtcdStore":
+        from .etcd_store import EtcdStore
 
+        return EtcdStore
+    if name == "store_from_config":
+        from .etcd_config import store_from_config
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """'host:port' (or 'http://host:port') -> (host, port)."""
-    ep = endpoint.split("://", 1)[-1].rstrip("/")
-    host, sep, port = ep.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
-    return host or "127.0.0.1", int(port)
-
-
-class EtcdStore(Store):
-    """The Store contract over a real etcd v3 server.
-
-    Every RPC has a deadline (`rpc_timeout_s`). Connecting retries for `connect_timeout_s`
-    and then raises StoreError naming the endpoint, so an unreachable etcd never hangs.
-    Watches survive an etcd restart: they are re-created from the last revision seen."""
-
-    def __init__(self, endpoint: str, connect_timeout_s: float = 10.0, rpc_timeout_s: float = 5.0,
-                 retry_s: float = 5.0) -> None:
-        import pyetcd
-
-        self.endpoint = endpoint
-        host, port = parse_endpoint(endpoint)
-        self._rpc_timeout = rpc_timeout_s
-        self._retry_s = retry_s
-        self._client = pyetcd.client(host=host, port=port, timeout=rpc_timeout_s)
-        for ep in self._client.endpoints.values():
-            ep.time_retry = 0.0  # pyetcd would refuse a restarted server for 300 s
-        self._tx = self._client.transactions
-        self._closed = False
-        self._watch_lock = threading.Lock()
-        self._watches: dict[int, _EtcdWatch] = {}
-        self._watch_ids = itertools.count(1)
-        retry, self._retry_s = self._retry_s, connect_timeout_s
-        try:
-            self._call("status", self._client.status)
-        except StoreError as e:
-            self._client.close()
-            raise StoreError(
-                f"etcd at {endpoint} is unreachable after {connect_timeout_s:.1f}s ({e.__cause__!r}). "
-                "Start one with `lightning-ft etcd` or pass a reachable --etcd host:port."
-            ) from e
-        self._retry_s = retry
-
-    def _call(self, what: str, fn, *args, **kwargs):
-        """Run one RPC. Connection failures (an etcd restart, say) are retried for
-        `retry_s`; a missing lease becomes LeaseExpired; anything else a StoreError."""
-        from pyetcd import exceptions as etcd_exc
-
-        deadline = time.monotonic() + self._retry_s
-        delay = 0.02
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:
-                text = f"{e} {e!r}"
-                if "lease not found" in text:
-                    raise LeaseExpired(f"etcd {what}: lease expired or was revoked") from e
-                transient = isinstance(e, (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)) or (
-                    isinstance(e, ValueError) and "failed node" in text)
-                if self._closed or not transient or time.monotonic() + delay > deadline:
-                    raise StoreError(f"etcd {what} failed at {self.endpoint}: {type(e).__name__}: {e}") from e
-                time.sleep(delay)
-                delay = min(delay * 2, 0.25)
-
-    @staticmethod
-    def _kv(raw) -> KV:
-        return KV(raw.key.decode(), bytes(raw.value), raw.create_revision, raw.mod_revision, raw.lease)
-
-    def get(self, key: str) -> Optional[KV]:
-        resp = self._call("get", self._client.get_response, key)
-        return self._kv(resp.kvs[0]) if resp.count else None
-
-    def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[KV], int]:
-        kwargs = {"sort_order": "ascend", "sort_target": "key"}
-        if revision:
-            kwargs["revision"] = revision
-        resp = self._call("get_prefix", self._client.get_prefix_response, prefix, **kwargs)
-        return [self._kv(kv) for kv in resp.kvs], (revision or resp.header.revision)
-
-    def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        return self._call(f"put {key}", self._client.put, key, value, lease=lease or None).header.revision
-
-    def delete(self, key: str) -> bool:
-        return bool(self._call("delete", self._client.delete, key))
-
-    def delete_prefix(self, prefix: str) -> int:
-        return self._call("delete_prefix", self._client.delete_prefix, prefix).deleted
-
-    def cas(self, key: str, expected_mod_revision: int, value: bytes, lease: int = 0) -> bool:
-        cmp = self._tx.mod(key) == expected_mod_revision
-        ok, _ = self._call(f"cas {key}", self._client.transaction, compare=[cmp],
-                           success=[self._tx.put(key, value, lease=lease or None)], failure=[])
-        return bool(ok)
-
-    def put_if(self, key: str, value: bytes, created: dict[str, int]) -> bool:
-        return self.put_many_if([(key, value)], created)
-
-    def put_many_if(self, items: list[tuple[str, bytes]], created: dict[str, int]) -> bool:
-        cmps = [self._tx.create(k) == rev for k, rev in created.items()]
-        ok, _ = self._call(f"put_if {items[0][0]} (+{len(items) - 1})", self._client.transaction, compare=cmps,
-                           success=[self._tx.put(k, v) for k, v in items], failure=[])
-        return bool(ok)
-
-    def lease_grant(self, ttl_s: float) -> int:
-        # etcd leases have whole-second TTLs and a server-side minimum; round up.
-        ttl = max(1, int(-(-ttl_s // 1)))
-        return self._call("lease_grant", self._client.lease, ttl).id
-
-    def lease_keepalive(self, lease_id: int) -> None:
-        responses = self._call("lease_keepalive", lambda: list(self._client.refresh_lease(lease_id)))
-        if not responses or responses[0].TTL <= 0:
-            raise LeaseExpired(f"lease {lease_id:x} expired or was revoked")
-
-    def lease_revoke(self, lease_id: int) -> None:
-        try:
-            self._call("lease_revoke", self._client.revoke_lease, lease_id)
-        except LeaseExpired:
-            pass
-
-    def watch_prefix(self, prefix: str, callback: WatchCallback, start_revision: int = 0) -> Callable[[], None]:
-        w = _EtcdWatch(self, prefix, callback, start_revision or self.revision() + 1)
-        with self._watch_lock:
-            wid = next(self._watch_ids)
-            self._watches[wid] = w
-        w.start()
-
-        def cancel() -> None:
-            with self._watch_lock:
-                self._watches.pop(wid, None)
-            w.cancel()
-
-        return cancel
-
-    def revision(self) -> int:
-        return self._call("status", self._client.get_response, "\0").header.revision
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._watch_lock:
-            watches, self._watches = list(self._watches.values()), {}
-        for w in watches:
-            w.cancel()
-        try:
-            self._client.close()
-        except Exception:
-            pass
-
-
-class _EtcdWatch:
-    """One prefix watch that re-creates itself after a dropped stream (e.g. etcd restart)."""
-
-    def __init__(self, store: EtcdStore, prefix: str, callback: WatchCallback, start_revision: int) -> None:
-        self._store = store
-        self._prefix = prefix
-        self._callback = callback
-        self._next_rev = start_revision
-        self._watch_id: Optional[int] = None
-        self._cancelled = threading.Event()
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        self._establish(first=True)
-
-    def _establish(self, first: bool = False) -> None:
-        delay = 0.05
-        while not self._cancelled.is_set():
-            try:
-                wid = self._store._client.add_watch_prefix_callback(
-                    self._prefix, self._on_response, start_revision=self._next_rev)
-                with self._lock:
-                    self._watch_id = wid
-                return
-            except Exception as e:
-                if first:
-                    raise StoreError(f"etcd watch on {self._prefix} failed at {self._store.endpoint}: {e}") from e
-                if self._cancelled.wait(delay):
-                    return
-                delay = min(delay * 2, 0.5)
-
-    def _on_response(self, resp) -> None:
-        if self._cancelled.is_set():
-            return
-        if isinstance(resp, Exception) or resp is None:
-            # The stream broke (server restart, network). Re-watch from the next revision in
-            # a fresh thread: this callback runs on the dying stream's thread.
-            threading.Thread(target=self._establish, name="etcd-rewatch", daemon=True).start()
-            return
-        for ev in resp.events:
-            kind = "delete" if type(ev).__name__ == "DeleteEvent" else "put"
-            rev = ev.mod_revision or resp.header.revision
-            self._next_rev = max(self._next_rev, rev + 1)
-            try:
-                self._callback(Event(kind, ev.key.decode(), bytes(ev.value) if kind == "put" else b"", rev))
-            except Exception:
-                log.exception("watch callback failed")
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        with self._lock:
-            wid, self._watch_id = self._watch_id, None
-        if wid is not None:
-            try:
-                self._store._client.cancel_watch(wid)
-            except Exception:
-                pass
+        return store_from_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

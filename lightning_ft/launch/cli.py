@@ -1,18 +1,21 @@
 """The `lightning-ft` command (DESIGN §9).
 
-    lightning-ft run --replicas R --nproc-per-replica W [--etcd HOST:PORT] [--config cfg.yaml]
+    lightning-ft run --replicas R --nproc-per-replica W [--etcd HOST:PORT[,...] | --etcd-members N] [--config cfg.yaml]
                      [--replica-ids 0,1] [--run-dir DIR] [--no-status] script.py [script args] [key=value ...]
         Start R replicas of W processes of `script.py` under the supervisor: an embedded etcd
-        unless --etcd is given, evictions written at once on a death, restarts, a live status
-        table and `events.jsonl` in the run directory. After the script, `ft.key=value` arguments
-        are config overrides (configs/default.yaml), and so is `key=value` with a config key when
-        the script is not a Hydra app; everything else, and all after a lone `--`, reaches the
-        script verbatim (launch/argsplit.py). A Hydra app's `ft:` node is read first (lightning_ft/
-        hydra.py). The resolved config is written to RUN_DIR/config.yaml and its path passed to
-        every process as LFT_CONFIG.
+        (N members with --etcd-members) unless --etcd is given, evictions written at once on a
+        death, restarts, a live status table and `events.jsonl` in the run directory. After the
+        script, `ft.key=value` arguments are config overrides (configs/default.yaml), and so is
+        `key=value` with a config key when the script is not a Hydra app; everything else, and
+        all after a lone `--`, reaches the script verbatim (launch/argsplit.py). A Hydra app's
+        `ft:` node is read first (lightning_ft/hydra.py). The resolved config is written to
+        RUN_DIR/config.yaml and its path passed to every process as LFT_CONFIG.
 
-    lightning-ft etcd [--host 127.0.0.1] [--port 2379] [--data-dir DIR]
-        Run a single-member etcd in the foreground for a job to use (Ctrl-C stops it).
+    lightning-ft etcd [--host 127.0.0.1] [--port 2379] [--members N] [--data-dir DIR] [--unsafe-no-fsync]
+                      [--cert-file PEM --key-file PEM [--client-ca-file PEM]]
+        Run etcd in the foreground for jobs to use (Ctrl-C stops it): one member, or N members
+        on ports PORT+2i; a member that dies is restarted on its data and rejoins. fsync stays on
+        unless --unsafe-no-fsync. A data dir that does not exist is created.
 
 Multi-node: run `lightning-ft etcd --host 0.0.0.0` (or use your own etcd) and start one
 `lightning-ft run --etcd HOST:PORT --replica-ids ...` per node with the same job settings,
@@ -31,15 +34,28 @@ if TYPE_CHECKING:
 
 
 def _cmd_etcd(a: argparse.Namespace) -> int:
-    from lightning_ft.coord.etcd_server import EtcdNotFound, EtcdServer
+    from lightning_ft.coord.etcd_server import EtcdCluster, EtcdNotFound, ServerTLS
 
+    if bool(a.cert_file) != bool(a.key_file) or (a.client_ca_file and not a.cert_file):
+        print("lightning-ft etcd: --cert-file and --key-file go together (TLS), and --client-ca-file needs them",
+              file=sys.stderr)
+        return 2
+    tls = ServerTLS(a.cert_file, a.key_file, a.client_ca_file or "") if a.cert_file else None
     try:
-        srv = EtcdServer(host=a.host, port=a.port, data_dir=a.data_dir).start()
-    except (EtcdNotFound, RuntimeError) as e:
+        cluster = EtcdCluster(a.members, host=a.host, port=a.port, data_dir=a.data_dir,
+                              unsafe_no_fsync=a.unsafe_no_fsync, tls=tls)
+        if cluster.created_data_dir:
+            print(f"lightning-ft etcd: created the data dir {cluster.data_dir}", flush=True)
+        cluster.start()
+    except (EtcdNotFound, RuntimeError, ValueError) as e:
         print(f"lightning-ft etcd: {e}", file=sys.stderr)
         return 1
-    print(f"etcd listening on {srv.endpoint} (data in {srv.data_dir}); pass --etcd {srv.endpoint} to jobs. "
-          "Ctrl-C stops it.", flush=True)
+    n = len(cluster.servers)
+    what = f"{n} members" if n > 1 else "1 member"
+    wildcard = " (with this machine's address for the wildcard host)" if a.host in ("0.0.0.0", "::") else ""
+    print(f"etcd listening on {cluster.endpoint} ({what}, data in {cluster.data_dir}, "
+          f"fsync {'OFF (--unsafe-no-fsync)' if a.unsafe_no_fsync else 'on'}); pass --etcd {cluster.endpoint} "
+          f"to jobs{wildcard}. Ctrl-C stops it.", flush=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -49,15 +65,19 @@ def _cmd_etcd(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         while not stop["now"]:
-            if srv.proc is None or srv.proc.poll() is not None:
-                print("lightning-ft etcd: etcd exited unexpectedly; see " + srv.log_path, file=sys.stderr)
+            try:
+                for i, code in cluster.restart_dead():
+                    print(f"lightning-ft etcd: member {cluster.servers[i].name} exited (code {code}); restarted "
+                          "it on its data to rejoin", file=sys.stderr, flush=True)
+            except RuntimeError as e:
+                print(f"lightning-ft etcd: {e}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
     finally:
         if a.data_dir:
-            srv.stop()
+            cluster.stop()
         else:
-            srv.cleanup()
+            cluster.cleanup()
     return 0
 
 
@@ -86,9 +106,11 @@ def _cmd_run(a: argparse.Namespace) -> int:
             a.config = os.path.join(a.resume, "config.yaml")  # the run's own config, then the overrides
         a.run_dir = a.resume
     for key, val in (("replicas", a.replicas), ("nproc_per_replica", a.nproc_per_replica), ("job", a.job),
-                     ("etcd.endpoint", a.etcd), ("run_dir", a.run_dir)):
+                     ("etcd.endpoint", a.etcd), ("etcd.members", a.etcd_members), ("run_dir", a.run_dir)):
         if val is not None:
             overrides.append(f"{key}={val}")
+    if a.etcd is not None:
+        overrides.append("etcd.endpoints=[]")  # --etcd replaces the config's endpoints
     try:
         cfg = load_config(a.config, overrides, app=app.ft if app is not None else None,
                           app_name=f"{a.script}: the Hydra config's node 'ft'")
@@ -120,15 +142,19 @@ def _cmd_run(a: argparse.Namespace) -> int:
     config_path = os.path.abspath(os.path.join(cfg.run_dir, "config.yaml"))
     with open(config_path, "w") as f:
         f.write(to_yaml(cfg))
-    server = None
-    endpoint = cfg.etcd.endpoint
-    if not endpoint:
-        from lightning_ft.coord.etcd_server import EtcdServer
+    from lightning_ft.coord.etcd_server import EtcdNotFound
+    from lightning_ft.coord.store import StoreError
+    from lightning_ft.launch.etcd_keeper import EXIT_ETCD_LOST, EtcdKeeper
 
-        server = EtcdServer().start()
-        endpoint = server.endpoint
-    if resume_from is not None:
-        _seed_resume(endpoint, cfg, resume_from)
+    keeper = EtcdKeeper(cfg)
+    try:
+        endpoint = keeper.start()
+        if resume_from is not None:
+            _seed_resume(keeper.store, cfg, resume_from)
+    except (EtcdNotFound, RuntimeError, StoreError) as e:
+        keeper.close()
+        print(f"lightning-ft run: {e}", file=sys.stderr)
+        return 2
     sup = None
 
     def on_term(signum, frame):  # unwind through the finally below: stop replicas and etcd
@@ -138,28 +164,30 @@ def _cmd_run(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, on_term)
     try:
         print(f"lightning-ft: job {cfg.job!r}: {cfg.replicas} replicas x {cfg.nproc_per_replica} processes, "
-              f"etcd {endpoint}{' (embedded)' if server else ''}, run dir {cfg.run_dir}", flush=True)
+              f"{keeper.describe()}, run dir {cfg.run_dir}", flush=True)
         sup = Supervisor([sys.executable, a.script, *script_args], replicas=cfg.replicas,
                          nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
                          run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
                          max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
-                         checkpoint_root=checkpoint_dir(cfg), crash_loop=cfg.supervisor.crash_loop,
+                         checkpoint_root=checkpoint_dir(cfg), store=keeper.store, crash_loop=cfg.supervisor.crash_loop,
                          min_replicas=cfg.min_replicas,
-                         env={"LFT_CONFIG": config_path, **({"LFT_RESUME": os.path.abspath(resume_from)}
-                                                            if resume_from else {}),
+                         env={"LFT_CONFIG": config_path, **keeper.child_env(),
+                              **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),
                               **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})
         sup.start()
         if a.no_status or not sys.stdout.isatty():
-            rc = sup.run(timeout_s=a.timeout)
+            rc = sup.run(until=keeper.tick, timeout_s=a.timeout)
         else:
-            rc = _run_with_status(sup, a.timeout)
+            rc = _run_with_status(sup, a.timeout, keeper.tick)
+        if keeper.lost is not None:
+            rc = EXIT_ETCD_LOST
+            print(keeper.lost_message(checkpoint_dir(cfg), cfg.run_dir), file=sys.stderr, flush=True)
         _print_summary(sup, rc)
         return rc
     finally:
         if sup is not None:
             sup.shutdown()
-        if server is not None:
-            server.cleanup()
+        keeper.close()
 
 
 def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppConfig | None]:
@@ -188,20 +216,15 @@ def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppCon
     return split.ft_overrides, split.script_args, app
 
 
-def _seed_resume(endpoint: str, cfg, ckpt: str) -> None:
+def _seed_resume(store, cfg, ckpt: str) -> None:
     """A whole-job restart: a new history generation at the checkpoint, in the job's keyspace
     (its ledger stays, so exactly-once holds across the restart)."""
     from lightning_ft.coord import keys
-    from lightning_ft.coord.store import EtcdStore
     from lightning_ft.replica.checkpoint import restart_job
 
-    store = EtcdStore(endpoint)
-    try:
-        rec = restart_job(store, keys.root(cfg.etcd.prefix, cfg.job), ckpt)
-        print(f"lightning-ft: history generation {rec['gen']} starts at step {rec['to']}"
-              + (f" (the job had reached step {rec['from']})" if "from" in rec else ""), flush=True)
-    finally:
-        store.close()
+    rec = restart_job(store, keys.root(cfg.etcd.prefix, cfg.job), ckpt)
+    print(f"lightning-ft: history generation {rec['gen']} starts at step {rec['to']}"
+          + (f" (the job had reached step {rec['from']})" if "from" in rec else ""), flush=True)
 
 
 def _status_table(sup) -> "object":
@@ -216,14 +239,14 @@ def _status_table(sup) -> "object":
     return t
 
 
-def _run_with_status(sup, timeout_s) -> int:
+def _run_with_status(sup, timeout_s, stop) -> int:
     from rich.live import Live
 
     box = {"rc": None}
 
     def until() -> bool:
         live.update(_status_table(sup))
-        return False
+        return stop()
 
     with Live(_status_table(sup), refresh_per_second=4) as live:
         box["rc"] = sup.run(until=until, timeout_s=timeout_s, poll_s=0.25)
@@ -245,15 +268,27 @@ def _print_summary(sup, rc: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-ft", description="Fault-tolerant HSDP for PyTorch Lightning")
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("etcd", help="run an etcd server in the foreground")
+    e = sub.add_parser("etcd", help="run an etcd server (or a cluster of them) in the foreground")
     e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--port", type=int, default=2379)
-    e.add_argument("--data-dir", default=None, help="keep data here (default: a temp dir removed at exit)")
+    e.add_argument("--port", type=int, default=2379,
+                   help="client port of member 0; member i listens on PORT+2i, its peer port is PORT+2i+1")
+    e.add_argument("--members", type=int, default=1, help="cluster size; 3 survive the loss of one (default 1)")
+    e.add_argument("--data-dir", default=None,
+                   help="keep data here, created if missing (default: a temp dir removed at exit)")
+    e.add_argument("--unsafe-no-fsync", action="store_true",
+                   help="skip fsync (faster, loses recent writes if the machine crashes); for tests")
+    e.add_argument("--cert-file", default=None, help="TLS: the server certificate (PEM); clients use https://")
+    e.add_argument("--key-file", default=None, help="TLS: its private key")
+    e.add_argument("--client-ca-file", default=None, help="TLS: require client certificates signed by this CA")
     e.set_defaults(fn=_cmd_etcd)
     r = sub.add_parser("run", help="start and supervise the replicas of a training script")
     r.add_argument("--replicas", type=int, default=None, help="R (default: config `replicas`)")
     r.add_argument("--nproc-per-replica", type=int, default=None, help="W (default: config `nproc_per_replica`)")
-    r.add_argument("--etcd", default=None, help="external etcd HOST:PORT (default: start an embedded one)")
+    r.add_argument("--etcd", default=None,
+                   help="external etcd HOST:PORT, https://HOST:PORT for TLS, members separated by commas "
+                        "(default: start an embedded one)")
+    r.add_argument("--etcd-members", type=int, default=None,
+                   help="members of the embedded etcd (default: config etcd.members, 1); 3 survive losing one")
     r.add_argument("--config", default=None, help="YAML config (see configs/default.yaml)")
     r.add_argument("--job", default=None)
     r.add_argument("--run-dir", default=None)

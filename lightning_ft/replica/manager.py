@@ -42,7 +42,7 @@ import torch.distributed as dist
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, adopt_role, must_abort, steady_next
-from lightning_ft.coord.store import EtcdStore, Store
+from lightning_ft.coord.store import Store, store_from_config
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
 from lightning_ft.replica import data as ledger
@@ -145,7 +145,7 @@ class ReplicaManager:
                  bind_host: str = "127.0.0.1", advertise_host: str = "",
                  fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
-                 sync_timeout_s: float = 120.0) -> None:
+                 sync_timeout_s: float = 120.0, etcd_config: Any = None) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -155,6 +155,8 @@ class ReplicaManager:
         self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
         self.secret = secret
         self._etcd, self._store = etcd, store
+        self._etcd_config = etcd_config
+        """The job's `etcd` config section (TLS, auth, connect timeout); None: $LFT_CONFIG's or defaults."""
         self.prefix = prefix
         self.root = keys.root(prefix, job)
         self.lr_mode = lr_intervention
@@ -223,7 +225,8 @@ class ReplicaManager:
                   ftar_connect_timeout_s=cfg.ftar.connect_timeout_s, transport=cfg.ftar.transport,
                   bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
                   fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
-                  checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg))
+                  checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg),
+                  etcd_config=cfg.etcd)
         kw.update(overrides)
         return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
                    secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
@@ -247,7 +250,7 @@ class ReplicaManager:
             # in the slow init, not on the catch-up's critical path.
             materialize_optimizer_state(self.optimizer)
         if self.is_leader and self._store is None:
-            self._store = EtcdStore(self._etcd)
+            self._store = store_from_config(self._etcd_config, self._etcd)
         host = self._broadcast(advertised(self.bind_host, self.advertise_host, self._etcd) if self.is_leader else None)
         self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
         self.server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")

@@ -1,4 +1,5 @@
-"""One contract, two stores: every test runs against MemoryStore and a real etcd."""
+"""One contract, two stores: every test runs against MemoryStore, a real etcd, and a real
+3-member etcd cluster reached through all its endpoints."""
 from __future__ import annotations
 
 import threading
@@ -9,12 +10,22 @@ import pytest
 from lightning_ft.coord.store import EtcdStore, LeaseExpired, MemoryStore, StoreError
 
 
-@pytest.fixture(params=["memory", "etcd"])
+@pytest.fixture(scope="module")
+def etcd_cluster():
+    from lightning_ft.coord.etcd_server import EtcdCluster
+
+    c = EtcdCluster(3).start()
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture(params=["memory", "etcd", "etcd-cluster"])
 def store(request):
     if request.param == "memory":
         s = MemoryStore()
     else:
-        s = EtcdStore(request.getfixturevalue("etcd_endpoint"))
+        s = EtcdStore(request.getfixturevalue("etcd_endpoint") if request.param == "etcd"
+                      else request.getfixturevalue("etcd_cluster").endpoint)
         s.delete_prefix("/t/")
     yield s
     s.close()
@@ -190,3 +201,38 @@ def test_etcd_restart_keeps_data_and_watches(etcd_server):
         assert [e.key for e in evs].count("/t/er/before") == 1
     finally:
         s.close()
+
+
+# -- put_if / put_many_if: the fence of ledger writes ---------------------------------------------
+
+def test_put_if_writes_only_while_every_create_revision_matches(store):
+    rev = store.put("/t/members/1", b"me")
+    created = store.get("/t/members/1").create_revision
+    assert created == rev
+    assert store.put_if("/t/rec/a", b"1", {"/t/members/1": created, "/t/evict/1/0": 0})
+    assert store.get("/t/rec/a").value == b"1"
+    store.put("/t/evict/1/0", b"dead")
+    assert not store.put_if("/t/rec/b", b"2", {"/t/members/1": created, "/t/evict/1/0": 0})
+    assert store.get("/t/rec/b") is None
+
+
+def test_put_if_fails_once_the_key_was_recreated(store):
+    store.put("/t/members/2", b"old")
+    created = store.get("/t/members/2").create_revision
+    store.delete("/t/members/2")
+    assert not store.put_if("/t/rec/c", b"x", {"/t/members/2": created})
+    store.put("/t/members/2", b"new")  # a re-registration: a new create revision
+    assert not store.put_if("/t/rec/c", b"x", {"/t/members/2": created})
+    assert store.put_if("/t/rec/c", b"x", {"/t/members/2": store.get("/t/members/2").create_revision})
+
+
+def test_put_many_if_writes_all_or_nothing(store):
+    store.put("/t/members/3", b"me")
+    fence = {"/t/members/3": store.get("/t/members/3").create_revision}
+    assert store.put_many_if([("/t/r/1", b"a"), ("/t/r/2", b"b")], fence)
+    assert [kv.value for kv in store.get_prefix("/t/r/")[0]] == [b"a", b"b"]
+    store.put("/t/members/3", b"me again")  # same key: create revision unchanged
+    assert store.put_many_if([("/t/r/3", b"c")], fence)
+    store.delete("/t/members/3")
+    assert not store.put_many_if([("/t/r/4", b"d"), ("/t/r/5", b"e")], fence)
+    assert store.get("/t/r/4") is None and store.get("/t/r/5") is None

@@ -114,3 +114,116 @@ def test_sigterm_to_the_launcher_stops_replicas_and_etcd(tmp_path):
                 os.kill(c, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def readline(stream, timeout_s: float = 30.0) -> str:
+    """One line from a child's pipe, or AssertionError after `timeout_s`."""
+    import select
+
+    if not select.select([stream], [], [], timeout_s)[0]:
+        raise AssertionError(f"no output within {timeout_s}s")
+    return stream.readline()
+
+
+def free_port_block(n: int) -> int:
+    """A base port P with P..P+n-1 all free on loopback (for `lightning-ft etcd --members`)."""
+    import socket
+
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no block of {n} free ports")
+
+
+def etcd_children(pid: int) -> dict[str, int]:
+    """The etcd processes started by `pid`, by member name."""
+    out = {}
+    for c in children(pid):
+        try:
+            argv = open(f"/proc/{c}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if "--name" in argv:
+            out[argv[argv.index("--name") + 1]] = c
+    return out
+
+
+def test_lightning_ft_etcd_creates_a_missing_data_dir_keeps_fsync_on_and_keeps_data(tmp_path, procs):
+    port = free_port()
+    data = tmp_path / "not" / "there"
+    for run in range(2):
+        p = subprocess.Popen([sys.executable, "-m", "lightning_ft.launch.cli", "etcd", "--port", str(port),
+                              "--data-dir", str(data)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        lines = [readline(p.stdout) for _ in range(2 if run == 0 else 1)]
+        if run == 0:
+            assert f"created the data dir {data}" in lines[0]
+        assert f"etcd listening on 127.0.0.1:{port} (1 member, data in {data}, fsync on)" in lines[-1]
+        (pid,) = etcd_children(p.pid).values()
+        assert "--unsafe-no-fsync" not in open(f"/proc/{pid}/cmdline").read().split("\0")
+        s = EtcdStore(f"127.0.0.1:{port}", connect_timeout_s=5)
+        if run == 0:
+            s.put("/kept", b"1")
+        else:
+            assert s.get("/kept").value == b"1"  # the second server found the first one's data
+        s.close()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+
+
+def test_lightning_ft_etcd_members_3_restarts_a_killed_member(procs):
+    port = free_port_block(6)
+    p = subprocess.Popen([sys.executable, "-m", "lightning_ft.launch.cli", "etcd", "--members", "3", "--port",
+                          str(port), "--unsafe-no-fsync"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(p)
+    endpoints = f"127.0.0.1:{port},127.0.0.1:{port + 2},127.0.0.1:{port + 4}"
+    line = readline(p.stdout)
+    assert f"etcd listening on {endpoints} (3 members" in line and "fsync OFF" in line
+    members = etcd_children(p.pid)
+    assert sorted(members) == ["m0", "m1", "m2"]
+    s = EtcdStore(endpoints, connect_timeout_s=5)
+    try:
+        os.kill(members["m1"], signal.SIGKILL)
+        s.put("/while-m1-down", b"1")
+        assert "member m1 exited (code -9); restarted it on its data to rejoin" in readline(p.stderr)
+        back = EtcdStore(f"127.0.0.1:{port + 2}", connect_timeout_s=10)
+        try:
+            assert back.get("/while-m1-down").value == b"1"
+        finally:
+            back.close()
+    finally:
+        s.close()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(15) == 0
+
+
+def test_lightning_ft_etcd_serves_tls_and_checks_its_tls_flags(tmp_path, procs):
+    from tests.coord.certs import CA
+
+    ca = CA(str(tmp_path))
+    server, client = ca.issue("etcd-server", server=True), ca.issue("client", server=False)
+    etcd = [sys.executable, "-m", "lightning_ft.launch.cli", "etcd", "--unsafe-no-fsync"]
+    r = subprocess.run(etcd + ["--cert-file", server.cert], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--cert-file and --key-file go together" in r.stderr
+    port = free_port()
+    p = subprocess.Popen(etcd + ["--port", str(port), "--cert-file", server.cert, "--key-file", server.key,
+                                 "--client-ca-file", ca.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(p)
+    assert f"etcd listening on https://127.0.0.1:{port} " in readline(p.stdout)
+    s = EtcdStore(f"https://127.0.0.1:{port}", connect_timeout_s=5, ca_cert=ca.path, cert=client.cert, key=client.key)
+    s.put("/tls", b"1")
+    assert s.get("/tls").value == b"1"
+    s.close()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0

@@ -1,0 +1,120 @@
+"""The launcher's side of etcd (DESIGN §3, §9): what `lightning-ft run` does about it.
+
+- Without an endpoint it starts an embedded cluster of `etcd.members` members on loopback
+  (1 by default; 3 survive the loss of any one) and restarts a member that dies, on its data,
+  so that it rejoins.
+- It builds the supervisor's store from the job's `etcd` config (TLS, auth, connect timeout)
+  and gives the replicas what they need to build theirs (LFT_ETCD, LFT_ETCD_PASSWORD).
+- It notices an outage longer than `etcd.connect_timeout_s`. The replicas ride out a shorter
+  one (every request retries that long); after a longer one they exit, and restarting them
+  cannot help until etcd is back. So the launcher stops the job with a clear error that names
+  the newest checkpoint and the command that resumes from it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from lightning_ft.coord.etcd_server import EtcdCluster
+from lightning_ft.coord.etcd_config import PASSWORD_ENV, REDACTED, config_endpoints, store_from_config
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import StoreError
+
+EXIT_ETCD_LOST = 75
+"""`lightning-ft run` exits with this (EX_TEMPFAIL) when etcd stayed unreachable too long."""
+PROBE_INTERVAL_S = 0.5
+
+
+class EtcdKeeper:
+    """Owns the job's etcd connection for one launcher; `tick()` from the supervision loop."""
+
+    def __init__(self, cfg: Any, say: Callable[[str], None] = print) -> None:
+        self.cfg = cfg.etcd
+        self._say = say
+        self.cluster: Optional[EtcdCluster] = None
+        self.endpoint = ",".join(config_endpoints(self.cfg))
+        self.store: Optional[EtcdStore] = None
+        self._probe: Optional[EtcdStore] = None
+        self._last_ok = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.lost: Optional[str] = None
+        """Why the job must stop (etcd unreachable too long, a member in a crash loop), or None."""
+
+    @property
+    def embedded(self) -> bool:
+        return self.cluster is not None
+
+    def start(self) -> str:
+        """Start the embedded cluster if there is no endpoint, connect, start the probe; the
+        endpoints. Raises EtcdNotFound / RuntimeError (embedded etcd) or StoreError."""
+        if not self.endpoint:
+            self.cluster = EtcdCluster(int(self.cfg.members)).start()
+            self.endpoint = self.cluster.endpoint
+        try:
+            self.store = store_from_config(self.cfg, self.endpoint)
+            self._probe = store_from_config(self.cfg, self.endpoint, connect_timeout_s=1.0)
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(target=self._probe_loop, name="lft-etcd-probe", daemon=True)
+        self._thread.start()
+        return self.endpoint
+
+    def describe(self) -> str:
+        if self.cluster is None:
+            return f"etcd {self.endpoint}"
+        n = len(self.cluster.servers)
+        return f"etcd {self.endpoint} (embedded{f', {n} members' if n > 1 else ''})"
+
+    def child_env(self) -> dict[str, str]:
+        """What replicas need beyond LFT_ETCD: the password, if the config holds it."""
+        pw = str(self.cfg.password or "")
+        return {PASSWORD_ENV: pw} if pw and pw != REDACTED else {}
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            try:
+                self._probe.revision()
+                self._last_ok = time.monotonic()
+            except StoreError:
+                pass
+
+    def tick(self) -> bool:
+        """Restart dead embedded members; True when the job must stop (see `lost`)."""
+        if self.lost is not None:
+            return True
+        if self.cluster is not None:
+            try:
+                for i, code in self.cluster.restart_dead():
+                    self._say(f"lightning-ft: etcd member {self.cluster.servers[i].name} exited (code {code}); "
+                              "restarted it on its data to rejoin the cluster")
+            except RuntimeError as e:
+                self.lost = str(e)
+                return True
+        down = time.monotonic() - self._last_ok
+        limit = float(self.cfg.connect_timeout_s) + 1.0
+        if down > limit:
+            self.lost = (f"etcd at {self.endpoint} has been unreachable for {down:.1f}s, longer than "
+                         f"etcd.connect_timeout_s={float(self.cfg.connect_timeout_s):g}")
+        return self.lost is not None
+
+    def lost_message(self, checkpoint_root: str, run_dir: str) -> str:
+        """The error to print after the job was stopped for `lost`: the newest checkpoint, how to resume."""
+        from lightning_ft.replica.checkpoint import newest_valid
+
+        found = newest_valid(checkpoint_root, warn=lambda m: None) if os.path.isdir(checkpoint_root) else None
+        where = (f"the newest checkpoint that verifies is {found[1]} (step {found[0]}); once etcd is back, "
+                 f"resume with `lightning-ft run --resume {run_dir} ...`" if found else
+                 f"no checkpoint that verifies under {checkpoint_root} (checkpoint.every_n_steps)")
+        return f"lightning-ft run: {self.lost}: stopped the job; {where}"
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in (self._probe, self.store):
+            if s is not None:
+                s.close()
+        if self.cluster is not None:
+            self.cluster.cleanup()

@@ -1,0 +1,70 @@
+"""Embedded etcd: fsync flags, data dirs, cluster ports, leadership, and restarting a dead
+member so it rejoins (but not one that was stopped, and not one in a crash loop)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from lightning_ft.coord.etcd_server import EtcdCluster, EtcdServer, make_data_dir
+from lightning_ft.coord.store import EtcdStore
+
+
+def test_fsync_is_skipped_only_when_asked(tmp_path):
+    fast = EtcdServer(data_dir=str(tmp_path / "a"))
+    durable = EtcdServer(data_dir=str(tmp_path / "b"), unsafe_no_fsync=False)
+    assert "--unsafe-no-fsync" in fast._cmd()
+    assert "--unsafe-no-fsync" not in durable._cmd()
+
+
+def test_data_dir_is_created_when_missing_and_a_file_is_refused(tmp_path):
+    d = tmp_path / "new" / "etcd"
+    assert make_data_dir(str(d)) is True and d.is_dir()
+    assert make_data_dir(str(d)) is False
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RuntimeError, match="exists and is not a directory"):
+        make_data_dir(str(tmp_path / "f"))
+    srv = EtcdServer(data_dir=str(tmp_path / "fresh" / "dir"))
+    assert srv.created_data_dir and os.path.isdir(srv.data_dir)
+
+
+def test_cluster_ports_follow_the_base_port(tmp_path):
+    c = EtcdCluster(3, port=30000, data_dir=str(tmp_path))
+    assert c.endpoints == ["127.0.0.1:30000", "127.0.0.1:30002", "127.0.0.1:30004"]
+    assert [s.peer_port for s in c.servers] == [30001, 30003, 30005]
+    assert c.servers[1].initial_cluster == ("m0=http://127.0.0.1:30001,m1=http://127.0.0.1:30003,"
+                                            "m2=http://127.0.0.1:30005")
+    assert [s.data_dir for s in c.servers] == [str(tmp_path / f"m{i}") for i in range(3)]
+    one = EtcdCluster(1, data_dir=str(tmp_path / "one"))
+    assert one.servers[0].data_dir == str(tmp_path / "one")  # the single-member layout of `lightning-ft etcd`
+    with pytest.raises(ValueError, match="at least 1 member"):
+        EtcdCluster(0)
+
+
+def test_a_dead_member_is_restarted_and_rejoins_but_a_stopped_one_is_not():
+    with EtcdCluster(3) as c:
+        leaders = [i for i, s in enumerate(c.servers) if s.is_leader()]
+        assert len(leaders) == 1 and c.leader() == leaders[0]
+        s = EtcdStore(c.endpoint)
+        try:
+            victim = (leaders[0] + 1) % 3
+            os.kill(c.servers[victim].proc.pid, signal.SIGKILL)
+            c.servers[victim].proc.wait(5)
+            s.put("/m/while-down", b"1")
+            assert c.restart_dead() == [(victim, -signal.SIGKILL)]
+            c.servers[victim].wait_healthy()
+            back = EtcdStore(c.servers[victim].endpoint)
+            try:
+                assert back.get("/m/while-down").value == b"1"
+            finally:
+                back.close()
+            c.servers[2 if victim != 2 else 1].stop()
+            assert c.restart_dead() == []
+            c.CRASH_LOOP = (1, 60.0)
+            os.kill(c.servers[victim].proc.pid, signal.SIGKILL)
+            c.servers[victim].proc.wait(5)
+            with pytest.raises(RuntimeError, match=f"member m{victim} exited 2 times within 60s; not restarting"):
+                c.restart_dead()
+        finally:
+            s.close()
