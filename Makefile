@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-slow demo demo-quorum bench clean
+.PHONY: venv test test-slow soak demo demo-quorum bench clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ test: venv
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
+
+# 100+ mixed faults (kill, hang, exception, whole-job kill + --resume, etcd leader kill), >= 10%
+# overlapping, against 3 replicas of examples/train_lm.py; prints one {"bench": "soak", ...} line
+soak: venv
+	$(BIN)/python -m lightning_ft.bench.soak --faults 100
 
 # 3 replicas of examples/train_lm.py; one is killed mid-run and rejoins (about 1.5 min here)
 demo: venv

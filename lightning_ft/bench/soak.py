@@ -1,14 +1,15 @@
 """`make soak`: many mixed, overlapping faults against 3 replicas of examples/train_lm.py.
 
     python -m lightning_ft.bench.soak [--faults 100] [--replicas 3] [--overlap 0.15] [--seed 0]
-                                      [--kinds kill,hang,exception,job]
+                                      [--kinds kill,hang,exception,job,etcd]
 
 Faults land at random moments chosen from outside (never at step boundaries by design):
 kill (SIGKILL a process), hang (SIGSTOP a replica's leader until the launcher declares it
-hung), exception (SIGUSR1: the next batch raises, `failure.signal_exception`), and job (kill
-the launcher and every replica, then `lightning-ft run --resume`). With probability
-`--overlap` a fault hits two replicas at once. etcd runs outside the job with a data
-directory, so the ledger survives whole-job kills, and checks span every restart.
+hung), exception (SIGUSR1: the next batch raises, `failure.signal_exception`), job (kill
+the launcher and every replica, then `lightning-ft run --resume`), and etcd (SIGKILL the etcd
+leader member; it is restarted on its data a few seconds later). With probability
+`--overlap` a fault hits two replicas at once. etcd is a 3-member cluster outside the job
+with data directories, so the ledger survives whole-job kills, and checks span every restart.
 
 At the end it verifies the final model's history from the ledger (lost and duplicated
 batches), the replicas' final digests, stalls (no committed step for `--hang-s`), and
@@ -42,10 +43,17 @@ def log(msg: str) -> None:
 class Job:
     """One `lightning-ft run` of the soak's training job (restarted by `--resume`)."""
 
-    def __init__(self, a: argparse.Namespace, etcd: str, run_dir: str) -> None:
-        self.a, self.etcd, self.run_dir = a, etcd, run_dir
+    def __init__(self, a: argparse.Namespace, cluster, run_dir: str) -> None:
+        self.a, self.cluster, self.etcd, self.run_dir = a, cluster, cluster.endpoint, run_dir
         self.proc: Optional[subprocess.Popen] = None
         self.launches = 0
+        self.etcd_down_since: Optional[float] = None
+
+    def heal_etcd(self, after_s: float) -> None:
+        """Restart a killed etcd member on its data once it has been down `after_s`."""
+        if self.etcd_down_since is not None and time.monotonic() - self.etcd_down_since >= after_s:
+            self.cluster.restart_dead()
+            self.etcd_down_since = None
 
     def launch(self, resume: bool = False) -> None:
         a = self.a
@@ -136,6 +144,15 @@ def inject(job: Job, kind: str, rid: int, rng: random.Random, a: argparse.Namesp
         job.kill_all()
         time.sleep(rng.uniform(0.5, 2.0))
         job.launch(resume=True)
+    elif kind == "etcd":
+        cluster = job.cluster
+        i = cluster.leader()
+        i = rng.randrange(len(cluster.servers)) if i is None else i
+        proc = cluster.servers[i].proc
+        if proc is None or proc.poll() is not None:
+            return False
+        proc.kill()
+        job.etcd_down_since = time.monotonic()
     return True
 
 
@@ -156,7 +173,7 @@ def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from lightning_ft.coord import keys
-    from lightning_ft.coord.etcd_server import EtcdServer
+    from lightning_ft.coord.etcd_server import EtcdCluster
     from lightning_ft.coord.store import EtcdStore
     from lightning_ft.replica.data import read_cursors, verify_ledger
 
@@ -164,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", type=int, default=100)
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--overlap", type=float, default=0.15, help="probability that a fault hits two replicas")
-    p.add_argument("--kinds", default="kill,hang,exception,job")
+    p.add_argument("--kinds", default="kill,hang,exception,job,etcd")
     p.add_argument("--every-s", type=float, default=4.0, help="mean seconds between faults")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: enough for the faults)")
     p.add_argument("--ckpt-every", type=int, default=25)
@@ -180,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(run_dir, exist_ok=True)
     if not a.steps:  # about 4 steps a second here, plus restarts: generous, the job stops at the end anyway
         a.steps = int(a.faults * a.every_s * 4 + 400)
-    srv = EtcdServer(data_dir=os.path.join(tmp, "etcd")).start()
-    job = Job(a, srv.endpoint, run_dir)
+    srv = EtcdCluster(3, data_dir=os.path.join(tmp, "etcd")).start()
+    job = Job(a, srv, run_dir)
     t0 = time.monotonic()
     injected = overlapping = 0
     by_kind: dict[str, int] = {}
@@ -190,17 +207,24 @@ def main(argv: list[str] | None = None) -> int:
         while job.committed() < 5 and time.monotonic() - t0 < 300:
             time.sleep(0.2)
         while injected < a.faults and job.proc.poll() is None:
-            time.sleep(rng.expovariate(1.0 / a.every_s))
+            wait = rng.expovariate(1.0 / a.every_s)
+            while wait > 0:
+                time.sleep(min(wait, 0.5))
+                wait -= 0.5
+                job.heal_etcd(after_s=3.0)
             if job.committed() >= a.steps - 50:
                 log("training is about to end before the faults are done; stopping early")
                 break
             kind = rng.choice(kinds)
+            if kind == "etcd" and job.etcd_down_since is not None:
+                kind = "kill"  # one etcd member down at a time (a 3-member cluster survives one)
             if kind == "job" and injected + 1 < a.faults and rng.random() < 0.5:
                 kind = rng.choice([k for k in kinds if k != "job"] or ["kill"])  # whole-job kills are costly
-            if kind != "job" and rng.random() < a.overlap and a.replicas > 1:
+            replica_kinds = [k for k in kinds if k in ("kill", "hang", "exception")] or ["kill"]
+            if kind in replica_kinds and rng.random() < a.overlap and a.replicas > 1:
                 rids = rng.sample(range(a.replicas), 2)
-                done = [inject(job, kind if i == 0 else rng.choice([k for k in kinds if k != "job"] or [kind]),
-                               rid, rng, a) for i, rid in enumerate(rids)]
+                done = [inject(job, kind if i == 0 else rng.choice(replica_kinds), rid, rng, a)
+                        for i, rid in enumerate(rids)]
                 n = sum(done)
                 overlapping += 1 if n == 2 else 0
             else:
@@ -210,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             if n:
                 log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
         log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish")
-        job.proc.wait(max(10.0, a.timeout - (time.monotonic() - t0)))
+        while job.proc.poll() is None and time.monotonic() - t0 < a.timeout:
+            job.heal_etcd(after_s=3.0)
+            time.sleep(0.5)
+        job.proc.wait(30)
         wall = time.monotonic() - t0
         store = EtcdStore(srv.endpoint)
         try:

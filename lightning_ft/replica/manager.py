@@ -486,17 +486,20 @@ class ReplicaManager:
         if first is None and self._stash is not None:
             first, self._stash = self._stash, None
         replaced = False
+        behind = False  # a catch-up round failed: we are behind the job until one commits
         while True:
-            if first is None and batch is not None and self.cursor > batch:
+            if first is None and batch is not None and self.cursor > batch and not behind:
                 return res
             plan, first = (first, None) if first is not None else (self.start_step(), None)
             if plan.sync:
                 ok = self._sync(plan)
                 res.synced |= ok
                 replaced |= ok
+                behind = not ok
                 continue
             if plan.role == "catchup":
-                if self.commit(self.exchange(plan)):
+                behind = not self.commit(self.exchange(plan))
+                if not behind:
                     res.committed += 1
                     res.caught_up = replaced = True
                 continue

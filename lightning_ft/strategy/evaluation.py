@@ -104,7 +104,8 @@ class CrossReplicaReducer:
         out = mgr.broadcast(out)
         if isinstance(out, Exception):
             raise out
-        return torch.tensor(out, dtype=value.dtype, device=value.device).reshape(value.shape)
+        dtype = value.dtype if value.is_floating_point() or op != "mean" else torch.get_default_dtype()
+        return torch.tensor(out, dtype=dtype, device=value.device).reshape(value.shape)  # a mean of ints is not an int
 
     def _leader_reduce(self, key: str, mine: list[float], op: str) -> list[float]:
         store = self.mgr.store

@@ -4,13 +4,14 @@
     boring_app.py transformer lightning.pytorch.demos LightningTransformer on generated tokens
 
 Nothing here seeds anything: DDP users never do, because DDP broadcasts rank 0's weights.
-A small callback sleeps a little per batch so that a test's random SIGKILL lands mid-run.
+A small callback sleeps a little per batch so that a test's random SIGKILL lands mid-run, and
+longer while a replica is away, so that the run does not end before the restarted one is back
+(a restart is a process start: seconds on a loaded machine).
 """
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -19,14 +20,7 @@ import lightning_ft  # noqa: F401  (registers "ft_hsdp")
 import lightning.pytorch as L
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from lightning.pytorch.demos.transformer import LightningTransformer
-
-
-class Slow(L.Callback):
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        time.sleep(self.seconds)
+from pacing import Slow  # the test harness's pacing (next to this file), not part of the programs
 
 
 class Tokens(Dataset):

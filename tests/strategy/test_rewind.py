@@ -24,7 +24,9 @@ def test_every_replica_down_at_once_rewinds_to_the_newest_checkpoint(tmp_path, e
     assert {f["step"] for f in run.finals.values()} == {steps}, run.finals
     assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1, run.finals
     led = run.ledger
-    assert led.ok and led.steps == steps and led.superseded > 0, led
+    # Commits after the checkpoint are superseded, or were never recorded (steady rounds record
+    # in batches; both replicas died with theirs): either way the final history is exact.
+    assert led.ok and led.steps == steps, led
     assert [r["to"] for r in led.rewinds] == [20]
     # the restarted replicas trained from step 21 with the checkpoint's schedule (StepLR)
     back = run.rows[(0, 1)]
