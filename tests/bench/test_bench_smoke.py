@@ -60,3 +60,5 @@ def test_goodput_bench_ft_beats_restart_the_world():
     final = rows[-1]
     assert final["bench"] == "goodput" and final["failures"] >= 1 and final["restart_failures"] >= 1
     assert final["ft_ett"] > final["restart_ett"] > 0
+    assert final["ft_ett"] <= 1.02  # work, not steps: a degraded step is a fraction of one
+    assert 0 < final["ft_predicted_ett"] <= 1 and 0 < final["restart_predicted_ett"] <= 1
