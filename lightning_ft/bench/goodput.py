@@ -13,8 +13,9 @@ ETT (effective training time) counts work, not steps: sum over committed steps o
 contributors/R x fault-free step time / training wall time (from the run report; the
 fault-free step time is the median step while every replica contributes, in that run).
 Each run's line also has `predicted_ett`: the goodput model (`lightning-ft plan`,
-sim/goodput.py) fed with the detection, restart, catch-up, stall, failure interval and
-checkpoint cost measured in that run. Prints one line per run and then
+sim/goodput.py) fed with the detection, restart, catch-up, stall, failure interval,
+checkpoint cost and the survivors' step time measured in that run, and
+`predicted_ett_same_speed`: the same with the survivors stepping at the fault-free rate. Prints one line per run and then
 
     {"bench": "goodput", "failures": ..., "ft_ett": ..., "ft_predicted_ett": ...,
      "restart_ett": ..., "restart_predicted_ett": ..., ...}
@@ -29,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from lightning_ft.report import load, summarize
+from lightning_ft.sim.goodput import goodput
 from lightning_ft.sim.plan import checkpoint_costs, predict_run
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
@@ -58,10 +60,13 @@ def run(mode: str, a: argparse.Namespace, run_dir: str) -> dict:
     # the step-time cost of a checkpoint step (the step waits while the state is staged in memory)
     ck = checkpoint_costs(data.steps.get(0, []))
     _, inp, predicted = predict_run(run_dir)
+    # the same, but with the survivors stepping as fast as before the failure (as on a cluster)
+    same_speed = goodput(replace(inp, degraded_step_s=None)).ft_ett if mode == "ft" else predicted
     rnd = (lambda x, n: None if x is None else round(x, n))  # noqa: E731
     row = {"bench": "goodput_run", "mode": mode, "steps": s["steps"], "work_steps": s["work_steps"],
            "failures": failures, "restarts": s["restarts"], "fault_free_step_s": round(s["fault_free_step_s"] or 0, 4),
            "train_wall_s": s["train_wall_s"], "ett": s["ett"], "predicted_ett": round(predicted, 4),
+           "predicted_ett_same_speed": round(same_speed, 4),
            "launcher_wall_s": round(wall, 1), "identical": s["identical"],
            "ckpt_steps": ck["ckpt_steps"], "ckpt_step_call_s": rnd(ck["ckpt_step_call_s"], 4),
            "ckpt_stage_ms": rnd(ck["ckpt_stage_ms"], 2), "step_call_s": rnd(ck["step_call_s"], 4),

@@ -9,7 +9,8 @@ every `mtbf_job_s`; each costs, in lost full-job time:
   checkpoint (`rollback_steps` x step time, by default half a checkpoint interval);
 - ft_hsdp: a full stall of the healthy replicas (`stall_s`, by default detection + one
   step, the step that is retried), then, until the failed replica is back (detection +
-  restart + catch-up after the failure), the job trains at (R-1)/R: 1/R of that time is lost.
+  restart + catch-up after the failure), the job trains at (R-1)/R: 1/R of that time is lost
+  (at (R-1)/R x step_s / degraded_step_s where the survivors' step time changes).
 So ETT = (1 - lost per failure / MTBF) x the checkpoint factor I / (I + K), where every
 I = ckpt_every x step time of training pays K seconds of checkpoint cost. This is the
 paper's accounting: a failure every 18 min with a 10 min synchronous restart leaves
@@ -48,6 +49,10 @@ class Inputs:
     """Restart-the-world: steps redone per failure (default half a checkpoint interval)."""
     world_restart_s: Optional[float] = None
     """Restart-the-world: restart of the whole job (default restart_s)."""
+    degraded_step_s: Optional[float] = None
+    """ft_hsdp: step time while a replica is away (default step_s). On a cluster every
+    replica has its own machines; on a shared box the survivors may step slower while the
+    failed replica starts up beside them, or faster with no one to exchange with."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.replicas < 1:
@@ -110,7 +115,8 @@ def goodput(inp: Inputs) -> Goodput:
         return Goodput(restart_ett, restart_ett, restart_lost, restart_lost, restart_lost, 0.0, ck)
     stall = inp.stall
     degraded = max(0.0, inp.down_s - stall)
-    ft_lost = stall + degraded / inp.replicas
+    rate = 1.0 if not inp.degraded_step_s or not inp.step_s else inp.step_s / inp.degraded_step_s
+    ft_lost = stall + degraded * max(0.0, 1.0 - (inp.replicas - 1) / inp.replicas * rate)
     ft_ett = max(0.0, 1.0 - ft_lost / inp.mtbf_job_s) * ck
     return Goodput(restart_ett, ft_ett, restart_lost, ft_lost, stall, degraded, ck)
 

@@ -139,6 +139,15 @@ def measure_run(run_dir: str) -> dict[str, Any]:
               if (f["replica"], f["incarnation"]) in {(x["replica"], x["incarnation"]) for x in fails}]
     if stalls and not world:
         out["stall_s"] = statistics.fmean(stalls)
+    if not world:  # the survivors' step time while someone is away (both steps of a gap degraded)
+        ctb = {}
+        for r in rows:
+            ctb[r["step"]] = len(r.get("contributors") or range(R))
+        commits = report.commit_times(data)
+        gaps = [b[0] - a[0] for a, b in zip(commits, commits[1:])
+                if b[1] == a[1] + 1 and ctb.get(a[1], R) < R and ctb.get(b[1], R) < R]
+        if gaps:
+            out["degraded_step_s"] = statistics.fmean(gaps)
     writer = data.steps.get(min(data.steps), [])
     ck = checkpoint_costs(writer)
     if ck["ckpt_step_call_s"] is not None and ck["step_call_s"] is not None:
@@ -152,6 +161,7 @@ _FLAGS = {  # argparse dest -> Inputs field
     "gpus": "gpus", "replicas": "replicas", "mtbf": "mtbf_job_s", "detect": "detect_s", "restart": "restart_s",
     "world_restart": "world_restart_s", "catchup": "catchup_s", "step": "step_s", "ckpt_every": "ckpt_every",
     "ckpt_cost": "ckpt_cost_s", "stall": "stall_s", "rollback_steps": "rollback_steps",
+    "degraded_step": "degraded_step_s",
 }
 
 
@@ -195,7 +205,7 @@ def build_inputs(a: argparse.Namespace) -> tuple[Inputs, dict[str, str]]:
 
 
 _DERIVED = {"stall_s": "model: detect_s + step_s", "rollback_steps": "model: ckpt_every / 2",
-            "world_restart_s": "model: restart_s"}
+            "world_restart_s": "model: restart_s", "degraded_step_s": "model: step_s"}
 
 
 def predict_run(run_dir: str) -> tuple[str, Inputs, float]:
@@ -213,7 +223,8 @@ def predict_run(run_dir: str) -> tuple[str, Inputs, float]:
 
 # -- output ------------------------------------------------------------------------------------------
 
-def plot(inp: Inputs, rec_replicas: Optional[int], memory: Optional[Memory], path: str) -> None:
+def plot(inp: Inputs, rec_replicas: Optional[int], memory: Optional[Memory], path: str,
+         max_replicas: int = 64) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,6 +256,8 @@ def plot(inp: Inputs, rec_replicas: Optional[int], memory: Optional[Memory], pat
         bad = [r for r in rs if not memory.fits(inp.gpus, r)]
         if bad:
             ax2.axvspan(min(bad), max(rs), color="#ddd", label="state does not fit in GPU memory")
+    if max(rs) > max_replicas:
+        ax2.axvspan(max_replicas, max(rs), color="#eee", zorder=0, label=f"beyond --max-replicas {max_replicas}")
     if rec_replicas:
         ax2.axvline(rec_replicas, color="k", lw=0.8, ls="--", label=f"recommended: {rec_replicas}")
     ax2.set_xscale("log", base=2)
@@ -273,7 +286,8 @@ def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
               f"{inp.detect_s:.4g} + restart {inp.restart_s if inp.world_restart_s is None else inp.world_restart_s:.4g}"
               f" + {inp.rollback:.4g} steps redone x {inp.step_s:.4g} s",
               f"  ft_hsdp            {g.ft_ett:.3f}  a failure costs {g.ft_lost_s:.4g} s: a {g.ft_stall_s:.4g} s full "
-              f"stall, then {g.ft_degraded_s:.4g} s at {inp.replicas - 1}/{inp.replicas} replicas"]
+              f"stall, then {g.ft_degraded_s:.4g} s at {inp.replicas - 1}/{inp.replicas} replicas"
+              + (f" stepping in {inp.degraded_step_s:.4g} s" if inp.degraded_step_s else "")]
     if g.ckpt_factor < 1:
         lines.append(f"  (both x {g.ckpt_factor:.4f} for checkpoint cost)")
     lines += ["", f"recommended: {result['recommendation']}"]
@@ -295,6 +309,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=duration, help="fault-free step time")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (0: leave checkpoints out)")
     p.add_argument("--ckpt-cost", type=duration, help="training time one checkpoint costs")
+    p.add_argument("--degraded-step", type=duration, help="ft_hsdp step time while a replica is away "
+                                                           "(default: --step)")
     p.add_argument("--rollback-steps", type=float, help="restart-the-world: steps redone per failure "
                                                         "(default: half the checkpoint interval)")
     p.add_argument("--model-params", type=count, help="parameters (e.g. 70B): limits replicas by memory")
@@ -329,7 +345,7 @@ def run(a: argparse.Namespace) -> int:
               "candidates": [asdict(c) for c in rec.candidates] if rec else [],
               "inputs": asdict(inp), "sources": src}
     if not a.no_png:
-        plot(inp, rec.replicas if rec else None, memory, a.png)
+        plot(inp, rec.replicas if rec else None, memory, a.png, a.max_replicas)
         result["png"] = a.png
     print(json.dumps(result) if a.json else text(inp, src, result))
     if not a.no_png and not a.json:

@@ -46,6 +46,15 @@ def test_explicit_stall_rollback_and_world_restart_are_used():
     assert g.ft_lost_s == pytest.approx(30 + (125 - 30) / 4)
 
 
+def test_survivors_stepping_slower_lose_more():
+    g = gp.goodput(base(degraded_step_s=4.0, stall_s=7))  # half the fault-free rate while one is away
+    assert g.ft_lost_s == pytest.approx(7 + 118 * (1 - 3 / 4 * 0.5))
+    assert gp.goodput(base(degraded_step_s=2.0, stall_s=7)).ft_lost_s == pytest.approx(7 + 118 / 4)
+    # stepping faster alone can win back the missing replica's share, never more than that
+    assert gp.goodput(base(replicas=2, degraded_step_s=1.0, stall_s=7)).ft_lost_s == pytest.approx(7)
+    assert gp.goodput(base(replicas=2, degraded_step_s=0.5, stall_s=7)).ft_lost_s == pytest.approx(7)
+
+
 def test_one_replica_is_restart_the_world():
     g = gp.goodput(base(replicas=1))
     assert g.ft_ett == g.restart_ett

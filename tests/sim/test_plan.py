@@ -90,6 +90,7 @@ def test_measure_run_reads_every_time_of_an_ft_run(tmp_path):
     assert m["restart_s"] == pytest.approx(8.0 - 0.2 - 1.5)
     assert m["stall_s"] == pytest.approx(1.0, abs=1e-6)
     assert m["ckpt_cost_s"] == pytest.approx(0.1)
+    assert m["degraded_step_s"] == pytest.approx(STEP)  # the survivors kept their pace
     wall = (T0 + 80 * STEP + 1.0) - (T0 + STEP) + STEP
     assert m["mtbf_job_s"] == pytest.approx(wall)
 
