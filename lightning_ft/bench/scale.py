@@ -79,6 +79,7 @@ def scale_rows(run: LeaderRun, ranks: list[int], model: HopModel, message_bytes:
         fan = sample_fanout(w, model, message_bytes, len(q) * k, rng)
         total = np.repeat(q, k) + fan
         rows.append({"bench": bench, "replicas": run.replicas, "ranks_per_replica": w, "gpus": run.replicas * w,
+                     "ledger": run.ledger,
                      "p50_ms": _ms(percentile(total, 0.5)), "p99_ms": _ms(percentile(total, 0.99)),
                      "quorum_p50_ms": _ms(percentile(q, 0.5)), "quorum_p99_ms": _ms(percentile(q, 0.99)),
                      "fanout_p50_ms": _ms(percentile(fan, 0.5)), "fanout_p99_ms": _ms(percentile(fan, 0.99)),
@@ -89,7 +90,8 @@ def scale_rows(run: LeaderRun, ranks: list[int], model: HopModel, message_bytes:
 def cost_row(run: LeaderRun, cores: int) -> dict:
     rounds = run.rounds + 3  # measured rounds and warm-up: the CPU window covers both
     rpcs = sum(n for n, _ in run.rpc.values())
-    return {"bench": "scale_cost", "replicas": run.replicas, "rounds": run.rounds, "agreed": run.agreed(),
+    return {"bench": "scale_cost", "replicas": run.replicas, "ledger": run.ledger, "rounds": run.rounds,
+            "agreed": run.agreed(),
             "round_ms": _ms(run.wall_s / rounds * 1e3),
             "leader_cpu_ms_per_round": _ms(run.leader_cpu_s / rounds * 1e3),
             "etcd_cpu_ms_per_round": None if run.etcd_cpu_s is None else _ms(run.etcd_cpu_s / rounds * 1e3),
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="W for the runs whose leaders register all W per-rank addresses (with 12 replicas)")
     p.add_argument("--addr-replicas", type=int, default=12)
     p.add_argument("--no-ledger", action="store_true", help="leaders skip the commit ledger between rounds")
+    p.add_argument("--also-without-ledger", type=int, nargs="*", default=[64],
+                   help="replica counts to run a second time without the ledger (to see what it costs)")
     p.add_argument("--processes", type=int, default=4, help="processes the leader threads are spread over")
     p.add_argument("--etcd", default="", help="external etcd host:port (default: embedded; its CPU is measured)")
     p.add_argument("--seed", type=int, default=0)
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.replicas, a.ranks, a.rounds, a.probe_world, a.probe_iters, a.addr_ranks, a.addr_replicas = \
             [2, 3], [2, 8192], 5, [2, 3], 40, [256], 3
-        a.cpu_check_world, a.step_s = 0, 0.05
+        a.cpu_check_world, a.step_s, a.also_without_ledger = 0, 0.05, [3]
     if a.probe_world[0] != 2:
         p.error("--probe-world must start with 2: the hop model is fitted on a 2-process probe")
     from lightning_ft.coord.etcd_server import EtcdServer
@@ -136,11 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ledger = not a.no_ledger
     try:
         runs = []
-        for r in a.replicas:
+        cases = [(r, ledger) for r in a.replicas] + [(r, False) for r in a.also_without_ledger if ledger]
+        for r, led in cases:
             t0 = time.monotonic()
-            runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=ledger,
+            runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=led,
                                     processes=a.processes, etcd_pid=etcd_pid))
-            _log(f"{r} leaders x {a.rounds} rounds in {time.monotonic() - t0:.1f}s")
+            _log(f"{r} leaders x {a.rounds} rounds{'' if led else ' without the ledger'} "
+                 f"in {time.monotonic() - t0:.1f}s")
         addr_runs = []
         for w in a.addr_ranks:
             t0 = time.monotonic()
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 addr_runs.append((w, _short_error(str(e))))
             _log(f"{a.addr_replicas} leaders with {w} addresses each in {time.monotonic() - t0:.1f}s")
         # the fan-out probe broadcasts what a leader really sends: the quorum of the middle run
-        message = runs[len(runs) // 2].message
+        message = runs[len(a.replicas) // 2].message
         probes = {}
         for w in a.probe_world:
             probes[w] = probe(w, message, iters=a.probe_iters)

@@ -135,6 +135,8 @@ class LeaderRun:
     """The job id in etcd (its keys stay under /lft/{job}/ for inspection)."""
     replicas: int
     rounds: int
+    ledger: bool
+    """Whether the leaders wrote the commit ledger between rounds."""
     latency_ms: list[float]
     """Every leader's `quorum()` latency, every measured round."""
     ledger_ms: list[float]
@@ -220,7 +222,7 @@ def run_leaders(endpoint: str, replicas: int, rounds: int = 30, warmup: int = 3,
             rpc[name][1] += ms
     first = leaders[0]
     return LeaderRun(
-        job=job, replicas=replicas, rounds=rounds,
+        job=job, replicas=replicas, rounds=rounds, ledger=ledger,
         latency_ms=[x for d in leaders.values() for x in d["lat_ms"]],
         ledger_ms=[x for d in leaders.values() for x in d["ledger_ms"]],
         decisions={rid: d["decisions"] for rid, d in leaders.items()},

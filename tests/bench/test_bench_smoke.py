@@ -59,9 +59,11 @@ def test_scale_bench_quick_prints_the_sweep_and_its_parts():
     checks = {r["world"]: r for r in rows if r["bench"] == "scale_fanout_check"}
     assert sorted(checks) == [2, 3] and len(checks[3]["measured_rank_p50_ms"]) == 2
     assert checks[2]["model_p50_ms"] == pytest.approx(checks[2]["measured_p50_ms"], rel=0.5)  # fitted there
-    costs = {r["replicas"]: r for r in rows if r["bench"] == "scale_cost"}
-    assert sorted(costs) == [2, 3] and all(c["agreed"] and c["rpcs_per_round"] > 0 for c in costs.values())
-    sweep = {(r["replicas"], r["ranks_per_replica"]): r for r in rows if r["bench"] == "scale"}
+    costs = {(r["replicas"], r["ledger"]): r for r in rows if r["bench"] == "scale_cost"}
+    assert sorted(costs) == [(2, True), (3, False), (3, True)]
+    assert all(c["agreed"] and c["rpcs_per_round"] > 0 for c in costs.values())
+    assert costs[(3, True)]["rpc_ms_per_round"].get("cas") and not costs[(3, False)]["rpc_ms_per_round"].get("cas")
+    sweep = {(r["replicas"], r["ranks_per_replica"]): r for r in rows if r["bench"] == "scale" and r["ledger"]}
     assert sorted(sweep) == [(2, 2), (2, 8192), (3, 2), (3, 8192)]
     for r in sweep.values():
         assert 0 < r["p50_ms"] <= r["p99_ms"] and r["gpus"] == r["replicas"] * r["ranks_per_replica"]
