@@ -5,13 +5,15 @@
                                        [--addr-ranks 64 512 2048 8192] [--no-ledger] [--quick]
 
 Real: etcd, the coordinator and quorum code, R replica leaders (threads in a few processes,
-each with its own etcd clients) running back-to-back rounds with the commit ledger, and
-gloo broadcasts over W <= 8 local processes. Shadowed: forward/backward/exchange (a sleep
-of --step-s) and the fan-out of each quorum from a leader to its W ranks, which follows
-gloo's binomial tree (sim/fanout.py) with hop costs measured here on the W = 2 gloo probe.
+each with its own etcd clients) running back-to-back rounds (and, for --with-ledger, the
+commit ledger between rounds), and gloo broadcasts over W <= 8 local processes. Shadowed:
+forward/backward/exchange (a sleep of --step-s) and the fan-out of each quorum from a
+leader to its W ranks, which follows gloo's binomial tree (sim/fanout.py) with hop costs
+measured here on the W = 2 gloo probe.
 
 Prints, in order:
-- `scale_hop_model`: the measured hop (latency samples, bandwidth, per-call overhead);
+- `scale_hop_model`: the measured hop (latency samples, bandwidth, per-call overhead), at
+  --probe-nice (the one used) and at the default priority;
 - `scale_fanout_check`, per probe W: measured against modelled broadcast_object_list time;
 - `scale_cpu_check`: the probe at W = --cpu-check-world on all cores and pinned to one core
   (with more processes than cores, the tree's hops queue for a CPU: what the model, with a
@@ -21,7 +23,8 @@ Prints, in order:
   "p50_ms": ..., "p99_ms": ...}, a leader's quorum() latency plus the modelled fan-out to
   its W ranks (sampled independently and added), with both parts alongside;
 - `scale_addrs`, per --addr-ranks W: the same with every leader registering W real per-rank
-  addresses, as the coordinator's reports and quorums carry them today.
+  addresses, as the coordinator's reports and quorums carry them today;
+- `scale_env`: cores and load average (this machine is shared).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -102,22 +106,83 @@ def cost_row(run: LeaderRun, cores: int) -> dict:
             "quorum_json_bytes": run.quorum_json_bytes}
 
 
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def measure_leaders(a: argparse.Namespace, endpoint: str, etcd_pid: Optional[int]) -> tuple[list, list]:
+    """The real part: R leaders per case against etcd; and the runs with W addresses each."""
+    runs = []
+    cases = [(r, False) for r in a.replicas] + [(r, True) for r in a.with_ledger]
+    for r, led in cases:
+        t0 = time.monotonic()
+        runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=led,
+                                processes=a.processes, etcd_pid=etcd_pid))
+        _log(f"{r} leaders x {a.rounds} rounds{' with the ledger' if led else ''} in {time.monotonic() - t0:.1f}s")
+    addr_runs = []
+    for w in a.addr_ranks:
+        t0 = time.monotonic()
+        try:
+            addr_runs.append((w, run_leaders(endpoint, a.addr_replicas, rounds=max(5, a.rounds // 3),
+                                             step_s=a.step_s, addr_ranks=w, ledger=False,
+                                             processes=a.processes, etcd_pid=etcd_pid)))
+        except RuntimeError as e:  # e.g. etcd refusing a quorum too large for one request
+            addr_runs.append((w, _short_error(str(e))))
+        _log(f"{a.addr_replicas} leaders with {w} addresses each in {time.monotonic() - t0:.1f}s")
+    return runs, addr_runs
+
+
+def measure_fanout(a: argparse.Namespace, message: object, rng: np.random.Generator,
+                   cores: int) -> tuple[HopModel, list[dict]]:
+    """Real gloo probes: the hop model (fitted at W = 2) and the rows that check it."""
+    from lightning_ft.sim.gloo_probe import fit, probe
+
+    rows, probes = [], {}
+    for w in a.probe_world:
+        probes[w] = probe(w, message, iters=a.probe_iters, nice=a.probe_nice)
+        _log(f"gloo probe over {w} processes done")
+    models = {a.probe_nice: fit(probes[2])}
+    if a.probe_nice != 0:  # the same at the default priority, for comparison
+        models[0] = fit(probe(2, message, iters=a.probe_iters))
+    for nice, m in sorted(models.items()):
+        rows.append({"bench": "scale_hop_model", "nice": nice, "hop_p50_ms": _ms(percentile(m.latency_ms, 0.5)),
+                     "hop_p99_ms": _ms(percentile(m.latency_ms, 0.99)), "hop_max_ms": _ms(max(m.latency_ms)),
+                     "bytes_per_s": round(m.bytes_per_s), "overhead_ms": _ms(m.overhead_ms),
+                     "message_bytes": probes[2].message_bytes, "samples": len(m.latency_ms),
+                     "used": nice == a.probe_nice, "loadavg": _loadavg()})
+    model = models[a.probe_nice]
+    for w, res in probes.items():
+        rows.append(fanout_check(model, w, res.latency_ms["object"], res.message_bytes, rng))
+    w = a.cpu_check_world
+    if w and cores > 1:
+        spread = probes.get(w) or probe(w, message, iters=a.probe_iters, nice=a.probe_nice)
+        pinned = probe(w, message, iters=a.probe_iters, nice=a.probe_nice, cpus=[min(os.sched_getaffinity(0))])
+        rows.append({"bench": "scale_cpu_check", "world": w, "cores": cores,
+                     "all_cores_p50_ms": _ms(percentile(spread.last_rank_ms("object"), 0.5)),
+                     "one_core_p50_ms": _ms(percentile(pinned.last_rank_ms("object"), 0.5)),
+                     "all_cores_hop_p50_ms": _ms(percentile(spread.last_rank_ms("hop"), 0.5)),
+                     "one_core_hop_p50_ms": _ms(percentile(pinned.last_rank_ms("hop"), 0.5))})
+    return model, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning_ft.bench.scale", description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 12, 16, 32, 64])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 128, 1024, 8192], help="W of the fan-out model")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--step-s", type=float, default=0.2, help="shadowed compute per step")
+    p.add_argument("--with-ledger", type=int, nargs="*", default=[12, 64],
+                   help="replica counts to run again with the commit ledger written between rounds")
     p.add_argument("--probe-world", type=int, nargs="+", default=[2, 4, 8], help="real gloo processes (first is 2)")
     p.add_argument("--probe-iters", type=int, default=200)
+    p.add_argument("--probe-nice", type=int, default=-10 if os.geteuid() == 0 else 0,
+                   help="niceness of the probe processes (default -10 as root: woken ranks get a core at once, "
+                        "as on a cluster, rather than queueing behind other work on this machine)")
     p.add_argument("--cpu-check-world", type=int, default=4,
                    help="also probe this many processes pinned to one core (0: skip)")
     p.add_argument("--addr-ranks", type=int, nargs="*", default=[64, 512, 2048, 8192],
                    help="W for the runs whose leaders register all W per-rank addresses (with 12 replicas)")
     p.add_argument("--addr-replicas", type=int, default=12)
-    p.add_argument("--no-ledger", action="store_true", help="leaders skip the commit ledger between rounds")
-    p.add_argument("--also-without-ledger", type=int, nargs="*", default=[64],
-                   help="replica counts to run a second time without the ledger (to see what it costs)")
     p.add_argument("--processes", type=int, default=4, help="processes the leader threads are spread over")
     p.add_argument("--etcd", default="", help="external etcd host:port (default: embedded; its CPU is measured)")
     p.add_argument("--seed", type=int, default=0)
@@ -126,80 +191,39 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.replicas, a.ranks, a.rounds, a.probe_world, a.probe_iters, a.addr_ranks, a.addr_replicas = \
             [2, 3], [2, 8192], 5, [2, 3], 40, [256], 3
-        a.cpu_check_world, a.step_s, a.also_without_ledger = 0, 0.05, [3]
+        a.cpu_check_world, a.step_s, a.with_ledger, a.probe_nice = 0, 0.05, [3], 0
     if a.probe_world[0] != 2:
         p.error("--probe-world must start with 2: the hop model is fitted on a 2-process probe")
     from lightning_ft.coord.etcd_server import EtcdServer
-    from lightning_ft.sim.gloo_probe import fit, probe
 
     rng = np.random.default_rng(a.seed)
     cores = len(os.sched_getaffinity(0))
+    load0 = _loadavg()
     server = None if a.etcd else EtcdServer().start()
-    endpoint = a.etcd or server.endpoint
-    etcd_pid = server.proc.pid if server else None
-    ledger = not a.no_ledger
     try:
-        runs = []
-        cases = [(r, ledger) for r in a.replicas] + [(r, False) for r in a.also_without_ledger if ledger]
-        for r, led in cases:
-            t0 = time.monotonic()
-            runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=led,
-                                    processes=a.processes, etcd_pid=etcd_pid))
-            _log(f"{r} leaders x {a.rounds} rounds{'' if led else ' without the ledger'} "
-                 f"in {time.monotonic() - t0:.1f}s")
-        addr_runs = []
-        for w in a.addr_ranks:
-            t0 = time.monotonic()
-            try:
-                addr_runs.append((w, run_leaders(endpoint, a.addr_replicas, rounds=max(5, a.rounds // 3),
-                                                 step_s=a.step_s, addr_ranks=w, ledger=ledger,
-                                                 processes=a.processes, etcd_pid=etcd_pid)))
-            except RuntimeError as e:  # e.g. etcd refusing a quorum too large for one request
-                addr_runs.append((w, _short_error(str(e))))
-            _log(f"{a.addr_replicas} leaders with {w} addresses each in {time.monotonic() - t0:.1f}s")
-        # the fan-out probe broadcasts what a leader really sends: the quorum of the middle run
-        message = runs[len(a.replicas) // 2].message
-        probes = {}
-        for w in a.probe_world:
-            probes[w] = probe(w, message, iters=a.probe_iters)
-            _log(f"gloo probe over {w} processes done")
-        pinned = None
-        if a.cpu_check_world and cores > 1:
-            pinned = probe(a.cpu_check_world, message, iters=a.probe_iters, cpus=[min(os.sched_getaffinity(0))])
-            _log(f"gloo probe over {a.cpu_check_world} processes on one core done")
-        model = fit(probes[2])
-        lat = model.latency_ms
-        print(json.dumps({"bench": "scale_hop_model", "hop_p50_ms": _ms(percentile(lat, 0.5)),
-                          "hop_p99_ms": _ms(percentile(lat, 0.99)), "bytes_per_s": round(model.bytes_per_s),
-                          "overhead_ms": _ms(model.overhead_ms), "message_bytes": probes[2].message_bytes,
-                          "samples": len(lat)}), flush=True)
-        for w, res in probes.items():
-            print(json.dumps(fanout_check(model, w, res.latency_ms["object"], res.message_bytes, rng)), flush=True)
-        if pinned is not None:
-            w = a.cpu_check_world
-            spread = probes.get(w) or probe(w, message, iters=a.probe_iters)
-            print(json.dumps({"bench": "scale_cpu_check", "world": w, "cores": cores,
-                              "all_cores_p50_ms": _ms(percentile(spread.last_rank_ms("object"), 0.5)),
-                              "one_core_p50_ms": _ms(percentile(pinned.last_rank_ms("object"), 0.5)),
-                              "all_cores_hop_p50_ms": _ms(percentile(spread.last_rank_ms("hop"), 0.5)),
-                              "one_core_hop_p50_ms": _ms(percentile(pinned.last_rank_ms("hop"), 0.5))}),
-                  flush=True)
-        for run in runs:
-            print(json.dumps(cost_row(run, cores)), flush=True)
-        for run in runs:
-            for row in scale_rows(run, a.ranks, model, len(pickle.dumps(run.message)), rng):
-                print(json.dumps(row), flush=True)
-        for w, run in addr_runs:
-            if isinstance(run, str):
-                print(json.dumps({"bench": "scale_addrs", "replicas": a.addr_replicas, "ranks_per_replica": w,
-                                  "error": run}), flush=True)
-                continue
-            row = scale_rows(run, [w], model, len(pickle.dumps(run.message)), rng, bench="scale_addrs")[0]
-            row["quorum_json_bytes"] = run.quorum_json_bytes
-            print(json.dumps(row), flush=True)
+        runs, addr_runs = measure_leaders(a, a.etcd or server.endpoint, server.proc.pid if server else None)
     finally:
         if server is not None:
             server.cleanup()
+    # the probe broadcasts what a leader really sends: the quorum of the middle run
+    model, rows = measure_fanout(a, runs[len(a.replicas) // 2].message, rng, cores)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    for run in runs:
+        print(json.dumps(cost_row(run, cores)), flush=True)
+    for run in runs:
+        for row in scale_rows(run, a.ranks, model, len(pickle.dumps(run.message)), rng):
+            print(json.dumps(row), flush=True)
+    for w, run in addr_runs:
+        if isinstance(run, str):
+            print(json.dumps({"bench": "scale_addrs", "replicas": a.addr_replicas, "ranks_per_replica": w,
+                              "error": run}), flush=True)
+            continue
+        row = scale_rows(run, [w], model, len(pickle.dumps(run.message)), rng, bench="scale_addrs")[0]
+        row["quorum_json_bytes"] = run.quorum_json_bytes
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"bench": "scale_env", "cores": cores, "loadavg_start": load0, "loadavg_end": _loadavg()}),
+          flush=True)
     return 0
 
 

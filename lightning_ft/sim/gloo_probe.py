@@ -91,10 +91,18 @@ def _worker(rank: int, world: int, port: int, iters: int, bulk_bytes: int, messa
     dist.destroy_process_group()
 
 
+def _setup_child(cpus: Optional[Sequence[int]], nice: int) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if nice:
+        os.nice(nice)
+
+
 def probe(world: int, message: Any, iters: int = 200, bulk_bytes: int = 1 << 20,
-          timeout_s: float = 180.0, cpus: Optional[Sequence[int]] = None) -> ProbeResult:
+          timeout_s: float = 180.0, cpus: Optional[Sequence[int]] = None, nice: int = 0) -> ProbeResult:
     """Run the three broadcasts over `world` real gloo processes; see the module docstring.
-    `cpus`: pin every process to these CPUs (to see what sharing cores costs)."""
+    `cpus`: pin every process to these CPUs (to see what sharing cores costs); `nice`: their
+    niceness (negative needs root: woken ranks then preempt other work, as if each had a core)."""
     if world < 2:
         raise ValueError(f"a broadcast probe needs at least 2 processes, got {world}")
     from lightning_ft.coord.etcd_server import free_port
@@ -108,7 +116,7 @@ def probe(world: int, message: Any, iters: int = 200, bulk_bytes: int = 1 << 20,
         procs = [subprocess.Popen([sys.executable, "-m", "lightning_ft.sim.gloo_probe", "--worker", str(r), str(world),
                                    str(port), str(iters), str(bulk_bytes), msg_path, out],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                  preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                  preexec_fn=lambda: _setup_child(cpus, nice))
                  for r in range(world)]
         deadline = time.monotonic() + timeout_s
         try:
