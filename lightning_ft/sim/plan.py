@@ -49,6 +49,14 @@ def duration(text: str) -> float:
     return float(m.group(1)) * _UNITS.get(m.group(2) or "s", 1)
 
 
+def human(seconds: float) -> str:
+    """1080 -> '18 min', 1.06e8 -> '3.37 y'."""
+    for unit, n in (("y", 365 * 86400), ("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * n:
+            return f"{seconds / n:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
 def count(text: str) -> float:
     """'70e9', '70B', '405b', '8M' -> a number."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmbt]?)\s*", str(text).lower())
@@ -199,7 +207,7 @@ def build_inputs(a: argparse.Namespace) -> tuple[Inputs, dict[str, str]]:
         vals["mtbf_job_s"], src["mtbf_job_s"] = a.mtbf, "flag"
     else:
         vals["mtbf_job_s"] = per_gpu / vals["gpus"]
-        src["mtbf_job_s"] = f"{gpu_src} ({per_gpu / 86400 / 365:.3g} GPU-years per failure / {vals['gpus']} GPUs)"
+        src["mtbf_job_s"] = f"{gpu_src} (one GPU fails every {human(per_gpu)}; / {vals['gpus']} GPUs)"
     inp = Inputs(**vals)
     return inp, {f.name: src.get(f.name, _DERIVED.get(f.name, "model default")) for f in fields(Inputs)}
 
@@ -247,7 +255,7 @@ def plot(inp: Inputs, rec_replicas: Optional[int], memory: Optional[Memory], pat
     ax1.set_ylim(0, 1.02)
     ax1.set_xlabel("GPUs (per-GPU MTBF held: the job's MTBF scales as 1/GPUs)")
     ax1.set_ylabel("effective training time")
-    ax1.set_title(f"ETT against scale (MTBF {inp.mtbf_job_s / 60:.1f} min at {inp.gpus} GPUs)")
+    ax1.set_title(f"ETT against scale (MTBF {human(inp.mtbf_job_s)} at {inp.gpus} GPUs)")
     ax1.legend(fontsize=8, loc="lower left")
     rs = candidate_counts(inp.gpus, max_replicas=256) or [inp.replicas]
     ax2.plot(rs, [goodput(with_replicas(inp, r)).ft_ett for r in rs], "o-", color="#2ca02c", ms=3, label="ft_hsdp")
@@ -277,7 +285,7 @@ def _fmt(v: Any) -> str:
 def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
     g = goodput(inp)
     lines = [f"lightning-ft plan: {inp.gpus} GPUs as {inp.replicas} replicas x {inp.ranks_per_replica:g}, "
-             f"a failure every {inp.mtbf_job_s / 60:.1f} min", "", f"  {'input':<18} {'value':>12}  source"]
+             f"a failure every {human(inp.mtbf_job_s)}", "", f"  {'input':<18} {'value':>12}  source"]
     for f in fields(Inputs):
         v = getattr(inp, f.name)
         lines.append(f"  {f.name:<18} {'-' if v is None else _fmt(v):>12}  {src[f.name]}")

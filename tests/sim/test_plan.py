@@ -183,6 +183,7 @@ def test_bad_input_says_what_to_do(argv, msg, capsys):
 def test_durations_and_counts():
     assert plan.duration("90") == 90 and plan.duration("18m") == 1080 and plan.duration("1.5h") == 5400
     assert plan.duration("3y") == 3 * 365 * 86400
+    assert plan.human(1080) == "18 min" and plan.human(3 * 365 * 86400) == "3 y" and plan.human(42) == "42 s"
     assert plan.count("70B") == 70e9 and plan.count("4.2e6") == 4.2e6
     import argparse
 
