@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 RPCS = ("get", "get_prefix", "put", "create", "cas", "delete", "lease_keepalive")
+PREFIX = "/lft"
+"""The coordinator's key prefix; a job's keys are under {PREFIX}/{job}/."""
 
 
 class CountingStore:
@@ -80,8 +82,9 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
     R, W = cfg["replicas"], cfg["addr_ranks"]
     store = CountingStore(EtcdStore(cfg["endpoint"]))
     spec = JobSpec(replicas=R, min_replicas=R, init_timeout_s=120.0, fingerprint={"job": cfg["job"]})
-    c = Coordinator(store, cfg["job"], rid, 0, spec, lease_ttl_s=cfg["lease_ttl_s"], hang_timeout_s=3600.0,
-                    poll_interval_s=cfg["poll_s"])
+    c = Coordinator(store, cfg["job"], rid, 0, spec, prefix=PREFIX, lease_ttl_s=cfg["lease_ttl_s"],
+                    hang_timeout_s=3600.0, poll_interval_s=cfg["poll_s"])
+    root = f"{PREFIX}/{cfg['job']}/"
     mine: dict[str, Any] = {"lat_ms": [], "ledger_ms": [], "decisions": []}
     out[rid] = mine
     try:
@@ -91,7 +94,7 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
         for i in range(cfg["warmup"] + cfg["rounds"]):
             if cfg["ledger"] and prev is not None:
                 t0 = time.perf_counter()
-                record_commit(store, c.key(), prev.max_step + 1, rid, prev.epoch, prev.round,
+                record_commit(store, root, prev.max_step + 1, rid, prev.epoch, prev.round,
                               {s: prev.max_step for s in prev.contributors})
                 if i >= cfg["warmup"]:
                     mine["ledger_ms"].append((time.perf_counter() - t0) * 1e3)
@@ -132,7 +135,7 @@ def _worker(cfg: dict) -> None:
 @dataclass
 class LeaderRun:
     job: str
-    """The job id in etcd (its keys stay under /lft/{job}/ for inspection)."""
+    """The job id in etcd (its keys stay under {PREFIX}/{job}/ for inspection)."""
     replicas: int
     rounds: int
     ledger: bool

@@ -7,7 +7,7 @@ import pickle
 from lightning_ft.coord.quorum import Quorum
 from lightning_ft.coord.store import EtcdStore, MemoryStore
 from lightning_ft.replica.data import verify_ledger
-from lightning_ft.sim.leaders import CountingStore, rank_addresses, run_leaders
+from lightning_ft.sim.leaders import PREFIX, CountingStore, rank_addresses, run_leaders
 
 
 def test_shadow_leaders_agree_and_write_a_valid_ledger(etcd_server):
@@ -28,7 +28,7 @@ def test_shadow_leaders_agree_and_write_a_valid_ledger(etcd_server):
     assert isinstance(q, Quorum) and q.members == (0, 1, 2) and cursor == 0
     store = EtcdStore(etcd_server.endpoint)
     try:
-        led = verify_ledger(store, f"/lft/{run.job}/")
+        led = verify_ledger(store, f"{PREFIX}/{run.job}/")
     finally:
         store.close()
     assert led.ok and led.steps == 7 and led.trained == {s: list(range(7)) for s in range(3)}
