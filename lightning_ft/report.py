@@ -12,7 +12,9 @@ and writes `summary.md` (downtime per failure, restarts, effective training time
 Definitions. A replica is *down* from its failure (exit or eviction) to its first committed
 step in the next incarnation (its catch-up). The fault-free step time is the median gap
 between consecutive commits while every replica contributes. Effective training time (ETT)
-is committed steps × fault-free step time ÷ training wall time (first to last commit).
+counts work, not steps: a step committed with c of R replicas contributing trains c/R of a
+full batch, so ETT = sum over committed steps of c/R × fault-free step time ÷ training wall
+time (first to last commit). A step redone after a rollback counts once (its last commit).
 """
 from __future__ import annotations
 
@@ -101,6 +103,17 @@ def commit_times(data: RunData) -> list[tuple[float, int]]:
     return sorted((t, s) for s, t in first.items())
 
 
+def work_steps(data: RunData, replicas: int) -> float:
+    """Full-batch steps of work committed: each step counts contributors/R, from the commit
+    that stands (the last one, when a rollback redid the step)."""
+    last: dict[int, dict] = {}
+    for rows in data.steps.values():
+        for r in rows:
+            if r["step"] not in last or r["t"] > last[r["step"]]["t"]:
+                last[r["step"]] = r
+    return sum(len(r.get("contributors") or range(replicas)) / replicas for r in last.values())
+
+
 def fault_free_step_s(data: RunData, replicas: int) -> Optional[float]:
     gaps = []
     for rows in data.steps.values():
@@ -143,6 +156,7 @@ def summarize(data: RunData) -> dict:
     step_s = fault_free_step_s(data, replicas)
     fails = failures(data, step_s)
     steps = commits[-1][1] if commits else 0
+    work = work_steps(data, replicas)
     wall = (commits[-1][0] - commits[0][0]) + (step_s or 0.0) if commits else 0.0
     digests = {rid: f["digest"] for rid, f in data.finals.items()}
     losses = [r["loss"] for r in data.steps.get(min(data.steps), []) if r.get("loss") is not None]
@@ -154,7 +168,8 @@ def summarize(data: RunData) -> dict:
             break
     return {
         "replicas": replicas, "steps": steps, "train_wall_s": round(wall, 3),
-        "fault_free_step_s": step_s, "ett": round(steps * step_s / wall, 4) if step_s and wall else None,
+        "work_steps": round(work, 3),
+        "fault_free_step_s": step_s, "ett": round(work * step_s / wall, 4) if step_s and wall else None,
         "restarts": sum(1 for e in data.events if e["event"] == "restart"),
         "failures": [{"replica": f.replica, "incarnation": f.incarnation, "reason": f.reason,
                       "down_s": None if f.down_s is None else round(f.down_s, 3), "back_at_step": f.back_step,
@@ -253,7 +268,8 @@ def markdown(summary: dict) -> str:
     lines = [f"# Run summary", "",
              f"- replicas: {summary['replicas']}; committed steps: {summary['steps']}; restarts: {summary['restarts']}",
              f"- fault-free step time: {summary['fault_free_step_s']} s; training wall time: {summary['train_wall_s']} s",
-             f"- effective training time (ETT): {summary['ett']}",
+             f"- effective training time (ETT): {summary['ett']} (work of {summary['work_steps']} full-batch "
+             f"steps: a step with c of {summary['replicas']} replicas contributing counts c/{summary['replicas']})",
              f"- replicas bitwise identical at the end: {summary['identical']}",
              f"- loss: {summary['loss_first']} (first 10 steps) -> {summary['loss_last']} (last 10)"
              + (f"; held-out {summary['val_bpb']:.3f} bits/byte" if summary["val_bpb"] is not None else ""), "",

@@ -54,8 +54,10 @@ def test_summary_numbers(tmp_path):
     s = report.report(str(tmp_path), png=False)
     assert s["replicas"] == 3 and s["steps"] == 60 and s["restarts"] == 1 and s["identical"] is True
     assert s["fault_free_step_s"] == pytest.approx(STEP)
-    # steps were never delayed by the failure: ETT 1
-    assert s["ett"] == pytest.approx(1.0, abs=1e-3)
+    # steps were never delayed, but the 13 steps from the kill until replica 1 contributed
+    # again (t_kill .. t_back + STEP) trained 2 of 3 slot batches: ETT counts work
+    assert s["work_steps"] == pytest.approx(60 - 13 / 3, abs=1e-3)
+    assert s["ett"] == pytest.approx((60 - 13 / 3) / 60, abs=1e-4)
     [f] = s["failures"]
     assert f["replica"] == 1 and f["down_s"] == pytest.approx(6.0 - 0.0, abs=STEP) and f["healthy_stall_s"] == 0
     assert (tmp_path / "summary.md").read_text().count("| 1 | 0 | rank 0 exited with -9 |") == 1
@@ -73,6 +75,46 @@ def test_summary_sees_a_stall(tmp_path):
     s = report.report(str(tmp_path), png=False)
     assert s["failures"][0]["healthy_stall_s"] == pytest.approx(3.0, abs=0.01)
     assert s["ett"] < 0.95
+
+
+def write_steps(d, rows_by_rid, events=()):
+    """A run directory from explicit steps.jsonl rows: {rid: [(t, step, contributors, inc)]}."""
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "events.jsonl"), "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    for rid, rows in rows_by_rid.items():
+        os.makedirs(os.path.join(d, f"replica_{rid}"), exist_ok=True)
+        with open(os.path.join(d, f"replica_{rid}", "steps.jsonl"), "w") as f:
+            for t, step, contributors, inc in rows:
+                f.write(json.dumps({"t": t, "rid": rid, "inc": inc, "step": step, "loss": 1.0,
+                                    "contributors": contributors, "caught_up": False, "call_s": STEP}) + "\n")
+
+
+def test_ett_counts_work_not_steps_when_the_survivor_steps_faster(tmp_path):
+    # 2 replicas; replica 1 is away for steps 21..40 and replica 0 alone steps 1.5x faster
+    # (no exchange, a core to itself). Counting steps gave 60 x 0.5 / 26.67 = 1.125.
+    rows, t = [], T0
+    for step in range(1, 61):
+        t += STEP if not 21 <= step <= 40 else STEP / 1.5
+        rows.append((t, step, [0] if 21 <= step <= 40 else [0, 1], 0))
+    back = [(t, s, c, 1 if s > 40 else 0) for t, s, c, _ in rows if not 21 <= s <= 40]
+    write_steps(str(tmp_path), {0: rows, 1: back})
+    s = report.summarize(report.load(str(tmp_path)))
+    wall = rows[-1][0] - rows[0][0] + STEP
+    assert s["work_steps"] == pytest.approx(40 + 20 / 2)
+    assert s["ett"] == pytest.approx(50 * STEP / wall, abs=1e-4)
+    assert s["ett"] < 1.0 < 60 * STEP / wall
+
+
+def test_ett_counts_a_step_redone_after_a_rollback_once(tmp_path):
+    # restart-the-world: steps 41..50 were trained, lost, and trained again after a restart
+    first = [(T0 + i * STEP, i, [0, 1], 0) for i in range(1, 51)]
+    again = [(T0 + 60 + i * STEP, i, [0, 1], 1) for i in range(41, 61)]
+    write_steps(str(tmp_path), {0: first + again, 1: first + again})
+    s = report.summarize(report.load(str(tmp_path)))
+    assert s["steps"] == 60 and s["work_steps"] == pytest.approx(60)
+    wall = again[-1][0] - first[0][0] + STEP
+    assert s["ett"] == pytest.approx(60 * STEP / wall, abs=1e-4)
 
 
 def _rgb(hex_color):

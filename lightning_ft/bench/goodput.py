@@ -9,11 +9,16 @@ checkpoints every `--ckpt-every` steps:
 - restart: `lightning-ft run --restart world` (like torchrun elastic: any failure stops every
   replica, and all restart from the newest checkpoint, redoing the steps since).
 
-ETT (effective training time) = committed steps x fault-free step time / training wall time
-(from the run report; the fault-free step time is the median step while every replica
-contributes, in that run). Prints one line per run and then
+ETT (effective training time) counts work, not steps: sum over committed steps of
+contributors/R x fault-free step time / training wall time (from the run report; the
+fault-free step time is the median step while every replica contributes, in that run).
+Each run's line also has `predicted_ett`: the goodput model (`lightning-ft plan`,
+sim/goodput.py) fed with the detection, restart, catch-up, stall, failure interval,
+checkpoint cost and the survivors' step time measured in that run, and
+`predicted_ett_same_speed`: the same with the survivors stepping at the fault-free rate. Prints one line per run and then
 
-    {"bench": "goodput", "failures": ..., "ft_ett": ..., "restart_ett": ..., ...}
+    {"bench": "goodput", "failures": ..., "ft_ett": ..., "ft_predicted_ett": ...,
+     "restart_ett": ..., "restart_predicted_ett": ..., ...}
 """
 from __future__ import annotations
 
@@ -21,13 +26,15 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 
 from lightning_ft.report import load, summarize
+from lightning_ft.sim.goodput import goodput
+from lightning_ft.sim.plan import checkpoint_costs, predict_run
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
                        "train_lm.py")
@@ -46,21 +53,24 @@ def run(mode: str, a: argparse.Namespace, run_dir: str) -> dict:
     wall = time.monotonic() - t0
     if p.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    s = summarize(load(run_dir))
+    data = load(run_dir)
+    s = summarize(data)
     events = [json.loads(l) for l in open(os.path.join(run_dir, "events.jsonl"))]
     failures = sum(1 for e in events if e["event"] == "exit" and e.get("code") not in (0, None))
     # the step-time cost of a checkpoint step (the step waits while the state is staged in memory)
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "replica_0", "steps.jsonl"))]
-    ck = [r["call_s"] for r in rows if "ckpt_stage_ms" in r]
-    plain = [r["call_s"] for r in rows if "ckpt_stage_ms" not in r and not r["caught_up"]]
-    stage = [r["ckpt_stage_ms"] for r in rows if "ckpt_stage_ms" in r]
-    row = {"bench": "goodput_run", "mode": mode, "steps": s["steps"], "failures": failures,
-           "restarts": s["restarts"], "fault_free_step_s": round(s["fault_free_step_s"] or 0, 4),
-           "train_wall_s": s["train_wall_s"], "ett": s["ett"], "launcher_wall_s": round(wall, 1),
-           "identical": s["identical"],
-           "ckpt_steps": len(ck), "ckpt_step_call_s": round(statistics.median(ck), 4) if ck else None,
-           "ckpt_stage_ms": round(statistics.median(stage), 2) if stage else None,
-           "step_call_s": round(statistics.median(plain), 4) if plain else None}
+    ck = checkpoint_costs(data.steps.get(0, []))
+    _, inp, predicted = predict_run(run_dir)
+    # the same, but with the survivors stepping as fast as before the failure (as on a cluster)
+    same_speed = goodput(replace(inp, degraded_step_s=None)).ft_ett if mode == "ft" else predicted
+    rnd = (lambda x, n: None if x is None else round(x, n))  # noqa: E731
+    row = {"bench": "goodput_run", "mode": mode, "steps": s["steps"], "work_steps": s["work_steps"],
+           "failures": failures, "restarts": s["restarts"], "fault_free_step_s": round(s["fault_free_step_s"] or 0, 4),
+           "train_wall_s": s["train_wall_s"], "ett": s["ett"], "predicted_ett": round(predicted, 4),
+           "predicted_ett_same_speed": round(same_speed, 4),
+           "launcher_wall_s": round(wall, 1), "identical": s["identical"],
+           "ckpt_steps": ck["ckpt_steps"], "ckpt_step_call_s": rnd(ck["ckpt_step_call_s"], 4),
+           "ckpt_stage_ms": rnd(ck["ckpt_stage_ms"], 2), "step_call_s": rnd(ck["step_call_s"], 4),
+           "model_inputs": {k: rnd(v, 3) if isinstance(v, float) else v for k, v in asdict(inp).items()}}
     print(json.dumps(row), flush=True)
     return row
 
@@ -92,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                       "step_call_s": ft["step_call_s"], "ckpt_stage_ms": ft["ckpt_stage_ms"],
                       "ckpt_every": a.ckpt_every, "restart_delay_s": a.restart_delay,
                       "failures": ft["failures"], "restart_failures": rs["failures"],
-                      "ft_ett": ft["ett"], "restart_ett": rs["ett"],
+                      "ft_ett": ft["ett"], "ft_predicted_ett": ft["predicted_ett"],
+                      "restart_ett": rs["ett"], "restart_predicted_ett": rs["predicted_ett"],
                       "ft_wall_s": ft["train_wall_s"], "restart_wall_s": rs["train_wall_s"]}), flush=True)
     return 0
 

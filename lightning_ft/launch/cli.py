@@ -17,6 +17,9 @@
         on ports PORT+2i; a member that dies is restarted on its data and rejoins. fsync stays on
         unless --unsafe-no-fsync. A data dir that does not exist is created.
 
+    lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R] ...
+        Effective training time of ft_hsdp and restart-the-world, a replica count, plan.png.
+
 Multi-node: run `lightning-ft etcd --host 0.0.0.0` (or use your own etcd) and start one
 `lightning-ft run --etcd HOST:PORT --replica-ids ...` per node with the same job settings,
 or start each replica's processes with torchrun/srun and the LFT_* variables of DESIGN §9.
@@ -310,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--no-png", action="store_true")
     rep.add_argument("--json", action="store_true", help="print the summary as JSON")
     rep.set_defaults(fn=_cmd_report)
+    from lightning_ft.sim.plan import add_arguments as plan_arguments
+
+    pl = sub.add_parser("plan", help="effective training time of ft_hsdp and restart-the-world for a job")
+    plan_arguments(pl)
+    pl.set_defaults(fn=_cmd_plan)
     return p
 
 
@@ -317,6 +325,12 @@ def _cmd_report(a: argparse.Namespace) -> int:
     from lightning_ft.report import main as report_main
 
     return report_main([a.run_dir] + (["--no-png"] if a.no_png else []) + (["--json"] if a.json else []))
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from lightning_ft.sim.plan import run
+
+    return run(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,29 @@ def test_overhead_bench_runs_ft_hsdp_and_ddp_side_by_side():
     assert {r["strategy"] for r in rows if r["bench"] == "overhead_round"} == {"ft", "ddp"}
 
 
+def test_scale_bench_quick_prints_the_sweep_and_its_parts():
+    rows = run_bench("lightning_ft.bench.scale", "--quick", timeout=300)
+    kinds = {r["bench"] for r in rows}
+    assert kinds == {"scale_hop_model", "scale_fanout_check", "scale_cost", "scale", "scale_addrs", "scale_env"}
+    hop = next(r for r in rows if r["bench"] == "scale_hop_model")
+    assert 0 < hop["hop_p50_ms"] <= hop["hop_p99_ms"] and hop["bytes_per_s"] > 0
+    checks = {r["world"]: r for r in rows if r["bench"] == "scale_fanout_check"}
+    assert sorted(checks) == [2, 3] and len(checks[3]["measured_rank_p50_ms"]) == 2
+    assert checks[2]["model_p50_ms"] == pytest.approx(checks[2]["measured_p50_ms"], rel=0.5)  # fitted there
+    costs = {(r["replicas"], r["ledger"]): r for r in rows if r["bench"] == "scale_cost"}
+    assert sorted(costs) == [(2, False), (3, False), (3, True)]
+    assert all(c["agreed"] and c["rpcs_per_round"] > 0 for c in costs.values())
+    assert costs[(3, True)]["rpc_ms_per_round"].get("cas") and not costs[(3, False)]["rpc_ms_per_round"].get("cas")
+    sweep = {(r["replicas"], r["ranks_per_replica"]): r for r in rows if r["bench"] == "scale" and not r["ledger"]}
+    assert sorted(sweep) == [(2, 2), (2, 8192), (3, 2), (3, 8192)]
+    for r in sweep.values():
+        assert 0 < r["p50_ms"] <= r["p99_ms"] and r["gpus"] == r["replicas"] * r["ranks_per_replica"]
+        assert max(r["quorum_p50_ms"], r["fanout_p50_ms"]) <= r["p50_ms"] <= r["quorum_p99_ms"] + r["fanout_p99_ms"]
+    assert sweep[(3, 8192)]["fanout_p50_ms"] > 5 * sweep[(3, 2)]["fanout_p50_ms"]  # 13 tree levels against 1
+    (addrs,) = [r for r in rows if r["bench"] == "scale_addrs"]
+    assert addrs["ranks_per_replica"] == 256 and addrs["quorum_json_bytes"] > 3 * 2 * 256 * 15
+
+
 import pytest  # noqa: E402
 
 
@@ -60,3 +83,5 @@ def test_goodput_bench_ft_beats_restart_the_world():
     final = rows[-1]
     assert final["bench"] == "goodput" and final["failures"] >= 1 and final["restart_failures"] >= 1
     assert final["ft_ett"] > final["restart_ett"] > 0
+    assert final["ft_ett"] <= 1.02  # work, not steps: a degraded step is a fraction of one
+    assert 0 < final["ft_predicted_ett"] <= 1 and 0 < final["restart_predicted_ett"] <= 1
