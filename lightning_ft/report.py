@@ -105,10 +105,13 @@ def commit_times(data: RunData) -> list[tuple[float, int]]:
 
 def work_steps(data: RunData, replicas: int) -> float:
     """Full-batch steps of work committed: each step counts contributors/R, from the commit
-    that stands (the last one, when a rollback redid the step)."""
+    that stands (the last one, when a rollback or a rewind redid the step, so the steps a
+    rewind discarded count as lost). Rows of sync or catch-up calls trained nothing."""
     last: dict[int, dict] = {}
     for rows in data.steps.values():
         for r in rows:
+            if r.get("role", "train") != "train":
+                continue
             if r["step"] not in last or r["t"] > last[r["step"]]["t"]:
                 last[r["step"]] = r
     return sum(len(r.get("contributors") or range(replicas)) / replicas for r in last.values())
@@ -171,6 +174,9 @@ def summarize(data: RunData) -> dict:
         "work_steps": round(work, 3),
         "fault_free_step_s": step_s, "ett": round(work * step_s / wall, 4) if step_s and wall else None,
         "restarts": sum(1 for e in data.events if e["event"] == "restart"),
+        "rewinds": [{"from": e.get("from"), "to": e.get("to"), "checkpoint": e.get("checkpoint") or "",
+                     "lost_steps": (e.get("from") or 0) - (e.get("to") or 0)}
+                    for e in data.events if e["event"] == "rewind"],
         "failures": [{"replica": f.replica, "incarnation": f.incarnation, "reason": f.reason,
                       "down_s": None if f.down_s is None else round(f.down_s, 3), "back_at_step": f.back_step,
                       "healthy_stall_s": round(f.stall_s, 3)} for f in fails],
@@ -280,6 +286,17 @@ def markdown(summary: dict) -> str:
                      f"| {f['healthy_stall_s']} |")
     if not summary["failures"]:
         lines.append("| - | - | none | - | - | - |")
+    rewinds = summary.get("rewinds") or []
+    lines += ["", "## Rewinds", ""]
+    if rewinds:
+        lines += ["Every replica holding the newest state was down at once; the job went back to the best state",
+                  "that existed (steps after it were trained again and count as lost in the ETT).", "",
+                  "| from step | to step | source | lost steps |", "|---|---|---|---|"]
+        for r in rewinds:
+            lines.append(f"| {r['from']} | {r['to']} | {r['checkpoint'] or 'a surviving replica or step 0'} | "
+                         f"{r['lost_steps']} |")
+    else:
+        lines.append("none")
     return "\n".join(lines) + "\n"
 
 

@@ -117,6 +117,20 @@ def test_ett_counts_a_step_redone_after_a_rollback_once(tmp_path):
     assert s["ett"] == pytest.approx(60 * STEP / wall, abs=1e-4)
 
 
+def test_a_rewind_is_reported_and_its_lost_steps_count_as_lost(tmp_path):
+    # every replica died at step 45; the job rewound to the step-40 checkpoint and trained 41..60 again
+    first = [(T0 + i * STEP, i, [0, 1], 0) for i in range(1, 46)]
+    again = [(T0 + 60 + i * STEP, i, [0, 1], 1) for i in range(41, 61)]
+    rewind = {"t": T0 + 59, "event": "rewind", "replica": 0, "incarnation": 1, "from": 45, "to": 40,
+              "checkpoint": "/ck/step_00000040", "gen": 1}
+    write_steps(str(tmp_path), {0: first + again, 1: first + again}, events=[rewind])
+    s = report.summarize(report.load(str(tmp_path)))
+    assert s["rewinds"] == [{"from": 45, "to": 40, "checkpoint": "/ck/step_00000040", "lost_steps": 5}]
+    assert s["work_steps"] == pytest.approx(60)  # 41..45 count once, although trained twice
+    md = report.markdown(s)
+    assert "## Rewinds" in md and "| 45 | 40 | /ck/step_00000040 | 5 |" in md
+
+
 def _rgb(hex_color):
     return tuple(int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5))
 
