@@ -309,7 +309,7 @@ def test_invalid_enum_names_the_allowed_values():
         load_config(overrides=["lr_intervention=cube"])
     assert "lr_intervention='cube': allowed values are 'none', 'linear', 'sqrt'" in str(e.value)
     assert e.value.key == "lr_intervention"
-    with pytest.raises(ConfigError, match="ftar.transport='ib': allowed values are 'tcp', 'rdma'"):
+    with pytest.raises(ConfigError, match="ftar.transport='ib': allowed values are 'tcp', 'rdma', 'shm', 'auto'"):
         load_config(overrides=["ftar.transport=ib"])
     with pytest.raises(ConfigError, match="failure.kinds.1='segv': allowed values are 'kill', 'hang', 'exception'"):
         load_config(overrides=["failure.kinds=[kill,segv]"])
