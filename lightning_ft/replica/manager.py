@@ -118,7 +118,7 @@ class ReplicaManager:
                  lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0, init_timeout_s: float = 10.0,
                  lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20, num_chunks: int = 4,
                  ftar_timeout_s: float = 5.0, quorum_timeout_s: Optional[float] = None,
-                 bind_host: str = "127.0.0.1",
+                 bind_host: str = "127.0.0.1", transport: str = "tcp",
                  fingerprint: Optional[dict] = None, scheduler: Any = None) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
@@ -141,7 +141,7 @@ class ReplicaManager:
         self.hang_timeout_s = hang_timeout_s
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
                              connect_timeout_s=max(2.0, ftar_timeout_s), bind_host=bind_host,
-                             start_timeout_s=hang_timeout_s)
+                             start_timeout_s=hang_timeout_s, transport=transport)
         self.step = 0
         """Committed steps of this replica (its state is at the end of step `step - 1`)."""
         self.cursor = 0

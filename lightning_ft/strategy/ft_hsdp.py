@@ -285,7 +285,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             min_replicas=cfg.min_replicas, prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
             hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
             lr_intervention=cfg.lr_intervention, chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks,
-            ftar_timeout_s=cfg.ftar.timeout_s, bind_host=cfg.ftar.bind_host, fingerprint=fingerprint(cfg),
+            ftar_timeout_s=cfg.ftar.timeout_s, bind_host=cfg.ftar.bind_host, transport=cfg.ftar.transport,
+            fingerprint=fingerprint(cfg),
             scheduler=self._schedulers)
         self.mgr.on_commit = self._on_commit
         resume = os.environ.get("LFT_RESUME")

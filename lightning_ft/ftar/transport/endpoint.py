@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -278,9 +279,14 @@ class Endpoint:
         self.rx = self._take(epoch, (index - 1) % n, deadline)
         line = f"epoch {epoch} to the right neighbour {right}: {self.tx.kind}"
         self.choices = [c for c in self.choices if c.startswith(f"epoch {epoch} from")] + [line]
-        level = logging.INFO if self.transport == "auto" else logging.DEBUG
-        log.log(level, "FTAR r%d/rank%d links (ftar.transport=%s): %s", self.ident.replica, self.ident.rank,
-                self.transport, "; ".join(self.choices))
+        msg = (f"FTAR r{self.ident.replica}/rank{self.ident.rank} links (ftar.transport={self.transport}): "
+               + "; ".join(self.choices))
+        if self.transport != "auto":
+            log.debug(msg)
+        elif log.isEnabledFor(logging.INFO):
+            log.info(msg)
+        else:  # the run log is the process's stderr: auto's choice must be in it
+            print(msg, file=sys.stderr, flush=True)
 
     def abort(self, reason: str) -> None:
         """Interrupt every blocked call now (any thread). Calls fail until `connect`."""
