@@ -26,7 +26,6 @@ from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FT
                              RecoverableError, job_hash)
 from .transport.base import RxLink, TxLink
 from .transport.endpoint import Endpoint
-from .transport.slots import SlotLayout
 
 log = logging.getLogger(__name__)
 
@@ -97,18 +96,16 @@ class FTAR:
         """Force the staged (registered-slot) data path even on a zero-copy transport."""
         if chunk_bytes % 8:
             raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} must be a multiple of 8")
-        # Allocated once: C staging slots of S bytes (each behind a header area), registered
-        # with the links that write only from registered memory (rdma).
-        self.layout = SlotLayout(self.S, self.C)
-        self.sendbuf = torch.empty(self.layout.nbytes, dtype=torch.uint8)
-        self._send_slots = [self.sendbuf[self.layout.payload_offset(j): self.layout.payload_offset(j) + self.S]
-                            for j in range(self.C)]
-        ctx = LinkContext(self.ident, self.S, self.C, self._mismatch, sendbuf=self.sendbuf)
+        # Send and receive slots (C or 2C of S bytes) are allocated and registered once by
+        # each link kind, or per epoch where a stale writer must not reach them (shm, rdma).
+        ctx = LinkContext(self.ident, self.S, self.C, self._mismatch)
         self.transport = Endpoint(self.ident, bind_host, transport, ctx)
         """Listener, handshakes and the current epoch's links (`ftar.transport`)."""
         self.transport.on_abort = self._remote_abort
         self._ring: Optional[Ring] = None
         self._seq = 0
+        self._ticket = 0
+        """The last direct send's ticket (waited for at the end of an all-reduce)."""
         self._broken: Optional[FTARError] = None
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._lock = threading.Lock()
@@ -272,69 +269,82 @@ class FTAR:
         tx, rx = self.transport.tx, self.transport.rx
         if tx is None or rx is None:
             raise RecoverableError(None, "the ring's links are closed (aborted); reconfigure first")
-        staged = self.staged or not tx.any_source
-        for p, part in enumerate(partitions(flat.numel(), es, ring.n, self.S, self.C)):
-            segs = segments(part, ring.n)
-            if staged:
-                self._partition_staged(flat, ring, plan, segs, p, divisor, tx, rx)
-            else:
-                self._partition_direct(flat, ring, plan, segs, p, divisor, tx, rx)
+        staged = self.staged or not tx.direct
+        parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
+        first = self._first_staged if staged else self._first_direct
+        run = self._partition_staged if staged else self._partition_direct
+        first(flat, ring, plan, parts[0], 0, tx)
+        for p, segs in enumerate(parts):
+            # The next partition's first sends go out before this one's last step, whose
+            # receives forward nothing: the link would idle there (the partition bubble).
+            # Every rank does the same, so each stream keeps the order its reader expects.
+            nxt = None if p + 1 == len(parts) else (lambda p=p: first(flat, ring, plan, parts[p + 1], p + 1, tx))
+            run(flat, ring, plan, segs, p, divisor, tx, rx, nxt)
+        if staged:
+            tx.flush(self.timeout_s)
+        else:
+            tx.wait_sent(self._ticket, self.timeout_s)
 
     def _timeout(self, p: int, s: int) -> float:
         """The first step of an all-reduce may wait for peers still computing (start timeout)."""
         return self.start_timeout_s if p == 0 and s == 0 else self.timeout_s
 
-    def _partition_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
-                          tx: TxLink, rx: RxLink) -> None:
-        """Send from and receive into the user's tensor (tcp, shm): reduce-scatter partial
-        sums are kept in place in the user's buffer (all-gather overwrites them), and
-        all-gather chunks land directly where they belong and are forwarded from there."""
+    def _first_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink) -> None:
         es = flat.element_size()
-        ticket = 0
         for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            ticket = tx.send(self._header(ring, flat, p, 0, j, c.numel * es), flat[c.start:c.end], self._timeout(p, 0))
+            self._ticket = tx.send(self._header(ring, flat, p, 0, j, c.numel * es), flat[c.start:c.end],
+                                   self._timeout(p, 0))
+
+    def _partition_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
+                          tx: TxLink, rx: RxLink, start_next) -> None:
+        """Send from and receive into the user's tensor (tcp): reduce-scatter partial sums
+        are kept in place in the user's buffer (all-gather overwrites them), and all-gather
+        chunks land directly where they belong and are forwarded from there."""
+        es = flat.element_size()
         for s, st in enumerate(plan):
             forward = s + 1 < len(plan)
+            if not forward and start_next is not None:
+                start_next()
             timeout = self._timeout(p, s)
             for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
                 user = flat[c.start:c.end]
                 want = self._header(ring, flat, p, s, j, c.numel * es)
                 if st.phase == "rs":
-                    rx.recv(want, timeout)
-                    ops.reduce_(user, rx.payload[j].view(flat.dtype)[:c.numel], user)
-                    rx.release(j)
+                    recv = rx.recv(want, timeout).view(flat.dtype)[:c.numel]
+                    ops.reduce_(user, recv, user)
+                    rx.release(want)
                     if st.last_rs and divisor is not None:
                         ops.scale_(user, divisor)
                 else:
                     rx.recv_into(want, user, timeout)
                 if forward:
-                    ticket = tx.send(self._header(ring, flat, p, s + 1, j, c.numel * es), user, self.timeout_s)
-        tx.wait_sent(ticket, self.timeout_s)
+                    self._ticket = tx.send(self._header(ring, flat, p, s + 1, j, c.numel * es), user, self.timeout_s)
+
+    def _first_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink) -> None:
+        es, dt = flat.element_size(), flat.dtype
+        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
+            hdr = self._header(ring, flat, p, 0, j, c.numel * es)
+            ops.copy_(tx.reserve(hdr, self._timeout(p, 0)).view(dt)[:c.numel], flat[c.start:c.end])
+            tx.post(hdr, self.timeout_s)
 
     def _partition_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
-                          tx: TxLink, rx: RxLink) -> None:
-        """Every chunk goes through the registered slots (rdma, GPU): `copy` packs into
-        sendbuf, `reduce` writes the next hop's sendbuf and, on the last reduce-scatter step,
-        also the user's buffer (fused)."""
-        es = flat.element_size()
-        sendbuf = [slot.view(flat.dtype) for slot in self._send_slots]
-        tickets = [0] * self.C  # last send from each slot
-        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            out = sendbuf[j][:c.numel]
-            ops.copy_(out, flat[c.start:c.end])
-            tickets[j] = tx.send(self._header(ring, flat, p, 0, j, c.numel * es), out, self._timeout(p, 0))
+                          tx: TxLink, rx: RxLink, start_next) -> None:
+        """Every chunk goes through the link's staging memory (shm: the neighbour's slot;
+        rdma: the registered sendbuf): `copy` packs into it, `reduce` writes the next hop's
+        staging and, on the last reduce-scatter step, also the user's buffer (fused)."""
+        es, dt = flat.element_size(), flat.dtype
         for s, st in enumerate(plan):
             forward = s + 1 < len(plan)
+            if not forward and start_next is not None:
+                start_next()
             timeout = self._timeout(p, s)
             for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
-                out = sendbuf[j][:c.numel]
                 user = flat[c.start:c.end]
-                rx.recv(self._header(ring, flat, p, s, j, c.numel * es), timeout)
-                recv = rx.payload[j].view(flat.dtype)[:c.numel]
-                if forward:
-                    # The slot's last send is out (at step 0 the right neighbour may still be computing).
-                    tx.wait_sent(tickets[j], timeout)
-                if st.phase == "rs":
+                want = self._header(ring, flat, p, s, j, c.numel * es)
+                recv = rx.recv(want, timeout).view(dt)[:c.numel]
+                nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
+                out = tx.reserve(nxt, timeout).view(dt)[:c.numel] if forward else None
+                if st.phase == "rs":  # always forwards (all-gather follows)
                     if st.last_rs and divisor is not None:
                         ops.reduce_(out, recv, user)
                         ops.scale_(out, divisor)
@@ -345,10 +355,9 @@ class FTAR:
                     ops.copy_(user, recv)
                     if forward:
                         ops.copy_(out, recv)
-                rx.release(j)
+                rx.release(want)
                 if forward:
-                    tickets[j] = tx.send(self._header(ring, flat, p, s + 1, j, c.numel * es), out, self.timeout_s)
-        tx.wait_sent(max(tickets), self.timeout_s)
+                    tx.post(nxt, self.timeout_s)
 
     def _mismatch(self, got: ChunkHeader, want: ChunkHeader) -> None:
         if got.job != want.job:

@@ -139,22 +139,35 @@ Mismatch = Callable[[ChunkHeader, ChunkHeader], None]
 
 
 class TxLink(ABC):
-    """Our direction to the right neighbour, for one epoch."""
+    """Our direction to the right neighbour, for one epoch. Two ways to send a chunk:
+    direct (`send` from any memory, then `wait_sent`) where `direct` is set (tcp), and
+    staged (`reserve` the chunk's staging memory, fill it, `post` it, `flush` at the end),
+    which every link supports: shm stages in the neighbour's own slot (reduce writes there
+    at once), rdma in its registered send buffer."""
 
     kind: str
-    any_source: bool
-    """Can write from any host memory (the user's tensor); otherwise sends must come from
-    the registered send buffer's slots (staged)."""
+    direct: bool = False
 
     @abstractmethod
     def send(self, hdr: ChunkHeader, src: torch.Tensor, timeout_s: float) -> int:
-        """Start writing `src` (hdr.nbytes bytes) as chunk hdr.chunk; returns a ticket.
-        `src` must stay unchanged until `wait_sent(ticket)`. May wait up to `timeout_s`
-        for the receiver's credit."""
+        """Start writing `src` (hdr.nbytes bytes) as chunk hdr; returns a ticket. `src` must
+        stay unchanged until `wait_sent(ticket)`. May wait up to `timeout_s` for a credit."""
 
     @abstractmethod
     def wait_sent(self, ticket: int, timeout_s: float) -> None:
         """Block until write `ticket` and every earlier one no longer need their memory."""
+
+    @abstractmethod
+    def reserve(self, hdr: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        """The S-byte uint8 staging memory for chunk `hdr` (waits for it to be free)."""
+
+    @abstractmethod
+    def post(self, hdr: ChunkHeader, timeout_s: float) -> None:
+        """Send chunk `hdr` from the memory `reserve` returned."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float) -> None:
+        """Block until every posted write no longer needs its memory."""
 
     @abstractmethod
     def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
@@ -172,17 +185,15 @@ class RxLink(ABC):
     """The left neighbour's direction to us, for one epoch."""
 
     kind: str
-    payload: list[torch.Tensor]
-    """C uint8 tensors of S bytes: where `recv` leaves chunk j."""
 
     @abstractmethod
-    def recv(self, want: ChunkHeader, timeout_s: float) -> None:
-        """Wait for chunk `want` (header checked with the mismatch handler); its bytes are
-        then in payload[want.chunk] until `release(want.chunk)`."""
+    def recv(self, want: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        """Wait for chunk `want` (header checked with the mismatch handler); returns the
+        uint8 memory that holds its bytes until `release(want)`."""
 
     @abstractmethod
-    def release(self, slot: int) -> None:
-        """Done with payload[slot]: the sender may write it again."""
+    def release(self, want: ChunkHeader) -> None:
+        """Done with chunk `want`'s memory: the sender may write it again."""
 
     @abstractmethod
     def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
@@ -203,11 +214,6 @@ class LinkContext:
     slot_bytes: int
     num_slots: int
     mismatch: Mismatch
-    sendbuf: Optional[torch.Tensor] = None
-    """The engine's staged send buffer (slot layout of slots.py), registered by kinds
-    that need registered sources."""
-    recv_scratch: Optional[torch.Tensor] = None
-    """Private receive slots (S x C bytes) for stream links, reused across epochs."""
 
 
 class LinkKind(ABC):

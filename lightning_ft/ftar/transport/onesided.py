@@ -9,8 +9,8 @@ handshake's TCP socket stays open for the life of the link, so a dead neighbour 
 at once (EOF), a fatal error reaches the next rank, and an abort wakes blocked calls.
 
 Subclasses provide the transport's verbs:
-  tx: `_post(slot, hdr, src, imm)` (start the write) and `_poll_tx(timeout)` (feed
-      write completions and credits into `self.win`);
+  tx: `_staging(slot)` (where chunk bytes are written), `_post(slot, hdr, imm)` (start the
+      write) and `_poll_tx(timeout)` (feed write completions and credits into `self.win`);
   rx: `_poll_rx(timeout)` (feed landings into `self.win`) and `_credit(slot, imm)`.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from .base import (HEADER_SIZE, ChunkHeader, FatalError, Mismatch, RecoverableError, RxLink, TxLink, close_socket,
                    shutdown)
 from .endpoint import set_kernel_timeout
-from .slots import ProtocolError, RxWindow, TxWindow, pack_imm
+from .slots import ProtocolError, RxWindow, TxWindow, pack_imm, slot_of
 
 REC = struct.Struct("<IIII")
 """A side-channel record: (type, slot, imm, nbytes)."""
@@ -116,16 +116,22 @@ def _protocol(peer: str, e: ProtocolError) -> RecoverableError:
 
 
 class OneSidedTx(TxLink):
-    """Sender half: waits for credits, posts writes, tracks completions by ticket."""
+    """Sender half: waits for credits, posts writes, tracks completions by ticket. The
+    receiver has 2C slots (slots.slot_of); `_staging(slot)` is where chunk bytes go before
+    `_post` (shm: the receiver's slot itself; rdma: our registered send buffer)."""
 
-    def __init__(self, sock: socket.socket, peer: str, epoch: int, num_slots: int) -> None:
+    def __init__(self, sock: socket.socket, peer: str, epoch: int, num_chunks: int) -> None:
         self.side = SideChannel(sock, peer)
-        self.peer, self.epoch = peer, epoch
-        self.win = TxWindow(epoch, num_slots)
+        self.peer, self.epoch, self.C = peer, epoch, num_chunks
+        self.win = TxWindow(epoch, 2 * num_chunks)
 
     @abstractmethod
-    def _post(self, slot: int, hdr: ChunkHeader, src: torch.Tensor, imm: int) -> None:
-        """Start writing `src` and its header into the receiver's slot `slot` with `imm`."""
+    def _staging(self, slot: int) -> torch.Tensor:
+        """The S-byte memory that chunk bytes for `slot` are written into."""
+
+    @abstractmethod
+    def _post(self, slot: int, hdr: ChunkHeader, imm: int) -> None:
+        """Start writing slot `slot`'s staged bytes and header to the receiver with `imm`."""
 
     def _poll_tx(self, timeout_s: float) -> None:
         """Default: credits arrive on the side channel; writes complete when posted."""
@@ -147,16 +153,30 @@ class OneSidedTx(TxLink):
             self.win.peer_lost(str(e))
             raise
 
+    def reserve(self, hdr: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        slot = slot_of(hdr.step, hdr.chunk, self.C)
+        self._wait(lambda: self.win.can_write(slot), timeout_s,
+                   f"the credit of slot {slot} (the right neighbour stopped taking chunks)")
+        return self._staging(slot)
+
+    def post(self, hdr: ChunkHeader, timeout_s: float) -> None:
+        slot = slot_of(hdr.step, hdr.chunk, self.C)
+        try:
+            self.win.post(slot)
+        except ProtocolError as e:
+            raise _protocol(self.peer, e) from None
+        self._post(slot, hdr, imm_of(hdr))
+
     def send(self, hdr: ChunkHeader, src: torch.Tensor, timeout_s: float) -> int:
-        slot = hdr.chunk
-        self._wait(lambda: self.win.can_write(slot), timeout_s, f"the credit of slot {slot} (the right "
-                                                                 "neighbour stopped taking chunks)")
-        ticket = self.win.post(slot)
-        self._post(slot, hdr, src, imm_of(hdr))
-        return ticket
+        self.reserve(hdr, timeout_s)[:hdr.nbytes].copy_(src.view(torch.uint8))
+        self.post(hdr, timeout_s)
+        return self.win.posted
 
     def wait_sent(self, ticket: int, timeout_s: float) -> None:
         self._wait(lambda: self.win.sent(ticket), timeout_s, "a write to complete")
+
+    def flush(self, timeout_s: float) -> None:
+        self.wait_sent(self.win.posted, timeout_s)
 
     def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
         raw = message.encode()[:4096]
@@ -174,12 +194,13 @@ class OneSidedTx(TxLink):
 
 
 class OneSidedRx(RxLink):
-    """Receiver half: takes landed chunks in the order the ring expects, returns credits."""
+    """Receiver half: takes landed chunks in the order the ring expects, returns credits.
+    `payload` and `headers` describe the 2C slots (slots.slot_of)."""
 
     def __init__(self, sock: socket.socket, peer: str, epoch: int, payload: list[torch.Tensor],
                  headers: list[memoryview], mismatch: Mismatch) -> None:
         self.side = SideChannel(sock, peer)
-        self.peer, self.epoch = peer, epoch
+        self.peer, self.epoch, self.C = peer, epoch, len(payload) // 2
         self.payload, self._headers, self._mismatch = payload, headers, mismatch
         self.win = RxWindow(epoch, len(payload))
 
@@ -192,8 +213,8 @@ class OneSidedRx(RxLink):
     def _credit(self, slot: int, imm: int) -> None:
         self.side.send(CREDIT, slot, imm)
 
-    def recv(self, want: ChunkHeader, timeout_s: float) -> None:
-        slot = want.chunk
+    def recv(self, want: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        slot = slot_of(want.step, want.chunk, self.C)
         deadline = time.monotonic() + timeout_s
         try:
             while not self.win.take(slot, imm_of(want)):
@@ -211,8 +232,10 @@ class OneSidedRx(RxLink):
         got = ChunkHeader.unpack(bytes(self._headers[slot][:HEADER_SIZE]))
         if got != want:
             self._mismatch(got, want)
+        return self.payload[slot]
 
-    def release(self, slot: int) -> None:
+    def release(self, want: ChunkHeader) -> None:
+        slot = slot_of(want.step, want.chunk, self.C)
         imm = self.win.imm[slot]
         try:
             self.win.release(slot)
@@ -221,9 +244,8 @@ class OneSidedRx(RxLink):
         self._credit(slot, imm)
 
     def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
-        self.recv(want, timeout_s)
-        dest.view(torch.uint8).copy_(self.payload[want.chunk][:want.nbytes])
-        self.release(want.chunk)
+        dest.view(torch.uint8).copy_(self.recv(want, timeout_s)[:want.nbytes])
+        self.release(want)
 
     def abort(self, reason: str) -> None:
         self.win.peer_lost(f"aborted: {reason}")

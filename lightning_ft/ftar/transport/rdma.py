@@ -3,12 +3,14 @@
 Everything but the verbs calls is shared with shm: the slot/credit state machines
 (slots.py), the waiting, deadlines, side channel and error paths (onesided.py), and the
 handshake that carries the descriptors (endpoint.py). Per link and epoch:
-  receiver  registers C fresh slots (header area + S bytes) with REMOTE_WRITE, creates an
-            RC QP and its CQ, posts C receive WRs (a WRITE_WITH_IMM consumes one);
+  receiver  registers 2C fresh slots (header area + S bytes; slots.slot_of) with
+            REMOTE_WRITE, creates an RC QP and its CQ, posts 2C receive WRs (a
+            WRITE_WITH_IMM consumes one);
             descriptor = (qpn, psn, lid, gid, slot address, rkey);
-  sender    its own RC QP, moved to RTR/RTS against the receiver's; writes header + payload
-            of sendbuf slot j (registered once, LOCAL_WRITE) into the receiver's slot j with
-            one signalled WRITE_WITH_IMM; confirmation = its (qpn, psn, lid, gid);
+  sender    its own RC QP, moved to RTR/RTS against the receiver's; the engine reduces
+            into sendbuf slot j (2C slots, registered once, LOCAL_WRITE), and one signalled
+            WRITE_WITH_IMM carries its header + payload into the receiver's slot j;
+            confirmation = its (qpn, psn, lid, gid);
   credits   the receiver sends a 0-byte SEND_WITH_IMM(slot) back on the same QP pair.
 The sender needs registered sources, so the engine runs its staged path (copy/reduce into
 sendbuf). GPUDirect (MRs on device memory) is not used: CUDA tensors stage through host.
@@ -33,7 +35,7 @@ import torch
 
 from .base import ChunkHeader, FatalError, LinkContext, LinkKind, RecoverableError, RxLink, SetupError, TxLink
 from .onesided import OneSidedRx, OneSidedTx
-from .slots import HEADER_AREA, SlotLayout
+from .slots import HEADER_AREA, SlotLayout, imm_slot
 
 # ibv_wc_status (verbs.h); tests check these against pyverbs where it is installed.
 WC_STATUS = {0: "SUCCESS", 1: "LOC_LEN_ERR", 2: "LOC_QP_OP_ERR", 3: "LOC_EEC_OP_ERR", 4: "LOC_PROT_ERR",
@@ -177,10 +179,9 @@ class RdmaKind(LinkKind):
     def __init__(self, ctx: LinkContext) -> None:
         super().__init__(ctx)
         self.dev = _Device()  # FatalError with the reason where no device can be used
-        self.layout = SlotLayout(ctx.slot_bytes, ctx.num_slots)
-        if ctx.sendbuf is None or ctx.sendbuf.numel() < self.layout.nbytes:
-            raise FatalError("rdma links need the engine's staged send buffer")
-        self.send_mr = self.dev.register(ctx.sendbuf, remote=False)
+        self.layout = SlotLayout(ctx.slot_bytes, 2 * ctx.num_slots)  # slots.slot_of: two sets
+        self.sendbuf = torch.zeros(self.layout.nbytes, dtype=torch.uint8)  # registered once
+        self.send_mr = self.dev.register(self.sendbuf, remote=False)
 
     def offer(self) -> dict:
         return {"device": self.dev.name}
@@ -243,23 +244,27 @@ def _poll(link: Any, cq: Any, timeout_s: float, on_wc) -> None:
 
 class RdmaTx(OneSidedTx):
     kind = "rdma"
-    any_source = False
 
     def __init__(self, sock: socket.socket, peer: str, epoch: int, kind: RdmaKind, qp: Any, cq: Any,
                  remote_addr: int, rkey: int) -> None:
-        super().__init__(sock, peer, epoch, kind.layout.num_slots)
+        super().__init__(sock, peer, epoch, kind.ctx.num_slots)
         self.k, self.qp, self.cq, self.remote, self.rkey = kind, qp, cq, remote_addr, rkey
+        lay = kind.layout
+        self._slots = [kind.sendbuf[lay.payload_offset(j): lay.payload_offset(j) + lay.slot_bytes]
+                       for j in range(lay.num_slots)]
         pv = kind.dev.pv
-        for j in range(kind.layout.num_slots):  # credits arrive as SEND_WITH_IMM: one receive WR each
+        for j in range(lay.num_slots):  # credits arrive as SEND_WITH_IMM: one receive WR each
             qp.post_recv(pv.wr.RecvWR(wr_id=j, num_sge=0))
 
-    def _post(self, slot: int, hdr: ChunkHeader, src: torch.Tensor, imm: int) -> None:
+    def _staging(self, slot: int) -> torch.Tensor:
+        return self._slots[slot]
+
+    def _post(self, slot: int, hdr: ChunkHeader, imm: int) -> None:
         lay, pv = self.k.layout, self.k.dev.pv
-        base = self.k.ctx.sendbuf.data_ptr()
-        if src.data_ptr() != base + lay.payload_offset(slot):
-            raise FatalError("an rdma link writes only from the registered send buffer (staged path)")
-        head = self.k.ctx.sendbuf[lay.header_offset(slot): lay.header_offset(slot) + len(hdr.pack())]
-        head.copy_(torch.frombuffer(bytearray(hdr.pack()), dtype=torch.uint8))
+        base = self.k.sendbuf.data_ptr()
+        raw = hdr.pack()
+        self.k.sendbuf[lay.header_offset(slot): lay.header_offset(slot) + len(raw)].copy_(
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         sge = pv.wr.SGE(base + lay.header_offset(slot), HEADER_AREA + hdr.nbytes, self.k.send_mr.lkey)
         e = pv.enums
         wr = pv.wr.SendWR(wr_id=slot, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
@@ -274,7 +279,7 @@ class RdmaTx(OneSidedTx):
             if wc.opcode == e.IBV_WC_RDMA_WRITE:
                 self.win.write_done(self.epoch, wc.wr_id)
             elif wc.opcode == e.IBV_WC_RECV:
-                self.win.credit(self.epoch, wc.imm_data & 0xFF)
+                self.win.credit(self.epoch, wc.imm_data)  # a credit's immediate is its slot
                 self.qp.post_recv(pv.wr.RecvWR(wr_id=wc.wr_id, num_sge=0))
 
         _poll(self, self.cq, timeout_s, on_wc)
@@ -302,7 +307,7 @@ class RdmaRx(OneSidedRx):
 
         def on_wc(wc: Any) -> None:
             if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
-                self.win.landed(wc.imm_data & 0xFF, wc.imm_data)  # the chunk field is the slot
+                self.win.landed(imm_slot(wc.imm_data, self.C), wc.imm_data)
                 self.qp.post_recv(pv.wr.RecvWR(wr_id=wc.wr_id, num_sge=0))
 
         _poll(self, self.cq, timeout_s, on_wc)

@@ -5,8 +5,9 @@ The same one-sided protocol as rdma (onesided.py, slots.py), with memory instead
                 so a stale writer of an older epoch can never touch this epoch's slots);
   descriptor    (pid, fd, size, nonce): the sender opens /proc/pid/fd/fd, maps it and checks
                 the nonce written at its start (a different pid namespace cannot pass);
-  write         a copy of the header and the payload into the mapped slot, then a doorbell
-                record (slot, imm) on the link's socket;
+  write         the engine reduces (or copies) the chunk straight into the mapped slot of
+                the receiver, then the header and a doorbell record (slot, imm) go out
+                on the link's socket;
   completion    the doorbell (receiver) and the credit record (sender), read from the
                 socket with a deadline; EOF means the neighbour is gone.
 A memfd vanishes with the last process that maps it: nothing leaks on SIGKILL.
@@ -58,7 +59,7 @@ class ShmKind(LinkKind):
 
     def __init__(self, ctx: LinkContext) -> None:
         super().__init__(ctx)
-        self.layout = SlotLayout(ctx.slot_bytes, ctx.num_slots)
+        self.layout = SlotLayout(ctx.slot_bytes, 2 * ctx.num_slots)  # slots.slot_of: two sets
 
     def accept(self, sock: socket.socket, epoch: int, peer: str, offer: dict) -> tuple[object, dict]:
         size = _PAGE + self.layout.nbytes
@@ -92,7 +93,7 @@ class ShmKind(LinkKind):
             mm.close()
             raise SetupError(f"{path} is not the {peer}'s shm segment for epoch {epoch} (another process or "
                              "pid namespace?)")
-        return ShmTx(sock, peer, epoch, _Segment(mm, self.layout)), {}
+        return ShmTx(sock, peer, epoch, _Segment(mm, self.layout), self.ctx.num_slots), {}
 
     def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
         fd, mm = state
@@ -107,18 +108,22 @@ class ShmKind(LinkKind):
 
 
 class ShmTx(OneSidedTx):
-    kind = "shm"
-    any_source = True
+    """Stages in the receiver's own slot: the engine reduces straight into it, so a
+    write costs no copy of its own; `_post` writes the header and rings the doorbell."""
 
-    def __init__(self, sock: socket.socket, peer: str, epoch: int, seg: _Segment) -> None:
-        super().__init__(sock, peer, epoch, seg.layout.num_slots)
+    kind = "shm"
+
+    def __init__(self, sock: socket.socket, peer: str, epoch: int, seg: _Segment, num_chunks: int) -> None:
+        super().__init__(sock, peer, epoch, num_chunks)
         self.seg = seg
 
-    def _post(self, slot: int, hdr: ChunkHeader, src: torch.Tensor, imm: int) -> None:
+    def _staging(self, slot: int) -> torch.Tensor:
+        return self.seg.payload[slot]
+
+    def _post(self, slot: int, hdr: ChunkHeader, imm: int) -> None:
         self.seg.headers[slot][:] = hdr.pack()
-        self.seg.payload[slot][:hdr.nbytes].copy_(src.view(torch.uint8))
         self.side.send(DOORBELL, slot, imm, hdr.nbytes)
-        self.win.write_done(self.epoch, slot)  # a copy completes when it returns
+        self.win.write_done(self.epoch, slot)  # the bytes are in place already
 
     def close(self) -> None:
         super().close()

@@ -1,10 +1,11 @@
 """Slots and credits of the one-sided ring protocol, as pure state machines (DESIGN §4).
 
 A one-sided link (shm, rdma) is one direction between two ring neighbours in one epoch.
-The receiver owns C *slots*, each a header area and S payload bytes, registered once per
-epoch; the sender writes chunk j of a ring step into slot j with an immediate value that
-carries (epoch, seq, step, chunk), and the receiver learns of it from a completion. A slot
-is written again only after the receiver has reduced it and returned its *credit*.
+The receiver owns 2C *slots*, each a header area and S payload bytes, registered once per
+epoch; the sender writes chunk j of ring step s into slot `slot_of(s, j, C)` with an
+immediate value that carries (epoch, seq, step, chunk), and the receiver learns of it from
+a completion. A slot is written again only after the receiver has reduced it and returned
+its *credit*.
 
     sender slot:   FREE --post--> POSTED --write done--> AWAITING --credit--> FREE
                                     \\--credit first--> CREDITED --write done--> FREE
@@ -41,6 +42,20 @@ def unpack_imm(imm: int) -> tuple[int, int, int, int]:
 
 def imm_epoch(imm: int) -> int:
     return (imm >> 24) & 0xFF
+
+
+def slot_of(step: int, chunk: int, num_chunks: int) -> int:
+    """The receiver slot of chunk `chunk` of ring step `step`: two sets of C slots, by the
+    parity of the step. A rank takes its next-hop slot (to reduce straight into it) while
+    it still holds the chunk it reduces; with one set, every rank of the ring could wait
+    for its right neighbour's credit at the same step (a cycle). With two, a write of step
+    s+1 needs only the neighbour's progress at step s-1, so the waits end at step 0."""
+    return (step & 1) * num_chunks + chunk
+
+
+def imm_slot(imm: int, num_chunks: int) -> int:
+    """The slot a write with immediate `imm` went to (see slot_of)."""
+    return slot_of((imm >> 8) & 0xFF, imm & 0xFF, num_chunks)
 
 
 @dataclass(frozen=True)

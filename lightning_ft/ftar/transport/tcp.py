@@ -27,14 +27,24 @@ class TcpKind(LinkKind):
 
     def __init__(self, ctx: LinkContext) -> None:
         super().__init__(ctx)
-        self._scratch = torch.empty(ctx.slot_bytes * ctx.num_slots, dtype=torch.uint8)
+        S, C = ctx.slot_bytes, ctx.num_slots
+        self._scratch = torch.empty(S * C, dtype=torch.uint8)
         """Private receive slots, shared by every epoch's receive link (one at a time)."""
+        self._staging: Optional[list[torch.Tensor]] = None
+        """Send slots for the staged path (allocated on first use; shared like _scratch)."""
+
+    def staging(self) -> list[torch.Tensor]:
+        if self._staging is None:
+            S = self.ctx.slot_bytes
+            buf = torch.empty(S * self.ctx.num_slots, dtype=torch.uint8)
+            self._staging = [buf[j * S:(j + 1) * S] for j in range(self.ctx.num_slots)]
+        return self._staging
 
     def accept(self, sock: socket.socket, epoch: int, peer: str, offer: dict) -> tuple[object, dict]:
         return None, {}
 
     def dial(self, sock: socket.socket, epoch: int, peer: str, desc: dict) -> tuple[TxLink, dict]:
-        return TcpTx(sock, peer), {}
+        return TcpTx(sock, peer, self.staging), {}
 
     def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
         S = self.ctx.slot_bytes
@@ -56,10 +66,12 @@ def _sendall_vec(sock: socket.socket, head: bytes, payload: memoryview) -> None:
 
 class TcpTx(TxLink):
     kind = "tcp"
-    any_source = True
+    direct = True
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, staging) -> None:
         self.sock, self.peer = sock, peer
+        self._staging_fn = staging
+        self._slot_ticket: dict[int, int] = {}
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._error: Optional[BaseException] = None
         self._aborted: Optional[str] = None
@@ -109,6 +121,16 @@ class TcpTx(TxLink):
                                                       "(the right neighbour stopped reading)")
                 self._cv.wait(min(left, 0.05))
 
+    def reserve(self, hdr: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        self.wait_sent(self._slot_ticket.get(hdr.chunk, 0), timeout_s)  # its last send is out
+        return self._staging_fn()[hdr.chunk]
+
+    def post(self, hdr: ChunkHeader, timeout_s: float) -> None:
+        self._slot_ticket[hdr.chunk] = self.send(hdr, self._staging_fn()[hdr.chunk][:hdr.nbytes], timeout_s)
+
+    def flush(self, timeout_s: float) -> None:
+        self.wait_sent(self._posted, timeout_s)
+
     def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
         if not self._thread.is_alive():
             return
@@ -118,6 +140,10 @@ class TcpTx(TxLink):
         self._queue.put((fatal.pack(), memoryview(raw)))
         self._queue.put(None)
         self._thread.join(1.0)
+        try:
+            self.sock.shutdown(socket.SHUT_WR)  # the reader waits for a whole chunk: end it
+        except OSError:
+            pass
 
     def abort(self, reason: str) -> None:
         self._aborted = reason
@@ -142,6 +168,20 @@ def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
             raise socket.timeout()
 
 
+def _drain(sock: socket.socket, n: int) -> bytes:
+    """Up to `n` more bytes of a FATAL message (its sender shut the stream down after it)."""
+    out = b""
+    try:
+        while len(out) < n:
+            more = sock.recv(n - len(out))
+            if not more:
+                break
+            out += more
+    except OSError:
+        pass
+    return out
+
+
 class TcpRx(RxLink):
     kind = "tcp"
 
@@ -162,17 +202,26 @@ class TcpRx(RxLink):
                 set_kernel_timeout(sock, socket.SO_RCVTIMEO, timeout_s)
                 self._timeout = timeout_s
             deadline = time.monotonic() + timeout_s
-            _recv_all(sock, memoryview(self._head), deadline)
+            # Header and payload in one syscall, straight into `dest`: the expected header
+            # says how long the payload is; any other header is an error anyway (fatal, or
+            # a FATAL record, whose sender shuts the stream down after it).
+            body = dest[:want.nbytes]
+            got = sock.recvmsg_into([self._head, body], 0, socket.MSG_WAITALL)[0]
+            if got == 0:
+                raise ConnectionResetError("peer closed the connection")
+            if got < HEADER_SIZE:
+                _recv_all(sock, memoryview(self._head)[got:], deadline)
+                got = HEADER_SIZE
             hdr = ChunkHeader.unpack(bytes(self._head))
             if hdr.kind == KIND_FATAL:
-                msg = bytearray(hdr.nbytes)
-                _recv_all(sock, memoryview(msg), deadline)
-                raise FatalError(msg.decode(errors="replace"))
+                msg = bytes(body[:got - HEADER_SIZE])
+                raise FatalError((msg + _drain(sock, hdr.nbytes - len(msg))).decode(errors="replace"))
             if hdr.kind != KIND_DATA:
                 raise FatalError(f"bad chunk kind {hdr.kind} from the {self.peer}")
             if hdr != want:
                 self._mismatch(hdr, want)
-            _recv_all(sock, dest[:hdr.nbytes], deadline)
+            if got < HEADER_SIZE + want.nbytes:
+                _recv_all(sock, body[got - HEADER_SIZE:], deadline)
         except (socket.timeout, BlockingIOError):
             if self._aborted is not None:
                 raise RecoverableError(self.peer, f"aborted: {self._aborted}") from None
@@ -182,10 +231,11 @@ class TcpRx(RxLink):
                 raise RecoverableError(self.peer, f"aborted: {self._aborted}") from None
             raise RecoverableError(self.peer, f"connection lost: {type(e).__name__}: {e}") from None
 
-    def recv(self, want: ChunkHeader, timeout_s: float) -> None:
+    def recv(self, want: ChunkHeader, timeout_s: float) -> torch.Tensor:
         self._read(want, self._views[want.chunk], timeout_s)
+        return self.payload[want.chunk]
 
-    def release(self, slot: int) -> None:
+    def release(self, want: ChunkHeader) -> None:
         """Private memory: nothing to give back."""
 
     def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
