@@ -224,8 +224,8 @@ class FTAR:
                     work._finish()
                 except FatalError as e:
                     # Pass it on around the ring so that every rank raises it (once each).
+                    # (The links stay open: the message must travel on around the ring.)
                     self.transport.send_fatal(self._header(ring, torch.empty(0), 0, 0, 0, 0), str(e))
-                    self.transport.abort(f"fatal: {e}")
                     with self._lock:
                         self._broken = e
                     work._finish(e)
