@@ -1,12 +1,16 @@
 """FTAR engine: one fault-tolerant ring all-reduce endpoint per rank (DESIGN §4).
 
 The training thread calls `allreduce(tensors)` and gets a `Work`; one CPU control thread
-runs the ring schedule (ring.py) over the transport, calls the data-plane ops (ops/), and
-completes the Work. Send and receive buffers of S·C bytes are allocated once.
+runs the ring schedule (ring.py) over this epoch's two links (transport/: tcp, shm, rdma;
+`ftar.transport`), calls the data-plane ops (ops/), and completes the Work. Links with a
+`direct` path (tcp) send from and receive into the user's tensor; the others stage each
+chunk in their registered slots (shm: the neighbour's own slot, so reduce writes there).
+Slots are allocated by the link kinds: once (tcp), or per epoch and link (shm, rdma).
 
 Errors. A `RecoverableError` (peer lost, timeout, `abort`, stale epoch) fails the running
 Work and every queued one ("skipped"), and the engine refuses new work until the next
-`reconfigure`. A `FatalError` (ranks disagree on size or dtype, bad arguments) is sent
+`reconfigure`; it also closes the links at once, so the neighbours fail now rather than at
+their timeouts. A `FatalError` (ranks disagree on size or dtype, bad arguments) is sent
 around the ring so that every rank raises it, and no rank hangs. Every wait has a deadline.
 """
 from __future__ import annotations

@@ -39,13 +39,14 @@ class _Segment:
         S = layout.slot_bytes
         self.payload = [whole[_PAGE + layout.payload_offset(j): _PAGE + layout.payload_offset(j) + S]
                         for j in range(layout.num_slots)]
-        view = memoryview(mm)
-        self.headers = [view[_PAGE + layout.header_offset(j): _PAGE + layout.header_offset(j) + HEADER_SIZE]
+        self._view = memoryview(mm)
+        self.headers = [self._view[_PAGE + layout.header_offset(j): _PAGE + layout.header_offset(j) + HEADER_SIZE]
                         for j in range(layout.num_slots)]
 
     def close(self) -> None:
         for h in self.headers:
             h.release()
+        self._view.release()
         self.payload = []
         self.headers = []
         try:
