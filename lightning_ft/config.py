@@ -32,8 +32,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 LR_INTERVENTIONS = ("none", "linear", "sqrt")
 """How the learning rate follows the fraction x = contributors / R of healthy replicas (DESIGN §5)."""
-TRANSPORTS = ("tcp", "rdma")
-"""FTAR transports (DESIGN §4)."""
+TRANSPORTS = ("tcp", "rdma", "shm", "auto")
+"""FTAR transports (DESIGN §4): ring links over TCP, RDMA (pyverbs), or shared memory
+between processes of one host; `auto` picks per link (shm on one host, rdma where both
+ends have a verbs device, tcp otherwise)."""
 FAILURE_KINDS = ("kill", "hang", "exception", "corrupt")
 """Injected failures: SIGKILL the replica, stop making progress, raise inside the training step,
 or flip a bit in one parameter (silent data corruption: the divergence guard must catch it)."""
@@ -109,7 +111,10 @@ class FTARConfig:
     """Fault-tolerant ring all-reduce across replicas (DESIGN §4)."""
 
     transport: str = "tcp"
-    """Transport between ring neighbours: "tcp" or "rdma" (pyverbs RC QPs)."""
+    """Links between ring neighbours: "tcp"; "shm" (one-sided writes into the neighbour's
+    shared-memory slots, same host only); "rdma" (pyverbs RC queue pairs, fails at start
+    without a verbs device); "auto" (per link: shm on one host, else rdma if both ends have
+    a device, else tcp; each choice is logged). Every replica must use the same value."""
     chunk_bytes: int = 4 * 1024 * 1024
     """S: bytes per chunk; S * C bytes of sendbuf/recvbuf are allocated once at init."""
     num_chunks: int = 4

@@ -313,7 +313,7 @@ def test_invalid_enum_names_the_allowed_values():
         load_config(overrides=["lr_intervention=cube"])
     assert "lr_intervention='cube': allowed values are 'none', 'linear', 'sqrt'" in str(e.value)
     assert e.value.key == "lr_intervention"
-    with pytest.raises(ConfigError, match="ftar.transport='ib': allowed values are 'tcp', 'rdma'"):
+    with pytest.raises(ConfigError, match="ftar.transport='ib': allowed values are 'tcp', 'rdma', 'shm', 'auto'"):
         load_config(overrides=["ftar.transport=ib"])
     with pytest.raises(ConfigError, match="failure.kinds.1='segv': allowed values are 'kill', 'hang', 'exception'"):
         load_config(overrides=["failure.kinds=[kill,segv]"])
@@ -446,14 +446,16 @@ def test_every_config_key_is_read_by_the_code():
 
     root = pathlib.Path(__file__).resolve().parents[1] / "lightning_ft"
     code = "\n".join(p.read_text() for p in root.rglob("*.py"))
-    # these read the failure section they are given, as `cfg`
-    failure = (root / "launch" / "failure.py").read_text() + (root / "callbacks" / "failure.py").read_text()
+    # modules that read the one section they are given, as `cfg`
+    readers = {"failure": ["launch/failure.py", "callbacks/failure.py"],
+               "etcd": ["coord/etcd_config.py", "launch/etcd_keeper.py"]}
 
     def read(key: str) -> bool:
         if re.search(r"\.%s\b" % re.escape(key), code):  # an attribute, e.g. cfg.ftar.num_programs
             return True
         section, _, name = key.rpartition(".")
-        return section == "failure" and re.search(r"\bcfg\.%s\b" % name, failure) is not None
+        text = "".join((root / f).read_text() for f in readers.get(section, []))
+        return re.search(r"\bcfg\.%s\b|getattr\(cfg, \"%s\"" % (name, name), text) is not None
 
     unread = [k for k in leaves(FTConfig) if "." in k and not read(k)]
     assert not unread, f"config keys no module reads: {unread}"

@@ -1,12 +1,16 @@
 """FTAR engine: one fault-tolerant ring all-reduce endpoint per rank (DESIGN §4).
 
 The training thread calls `allreduce(tensors)` and gets a `Work`; one CPU control thread
-runs the ring schedule (ring.py) over the transport, calls the data-plane ops (ops/), and
-completes the Work. Send and receive buffers of S·C bytes are allocated once.
+runs the ring schedule (ring.py) over this epoch's two links (transport/: tcp, shm, rdma;
+`ftar.transport`), calls the data-plane ops (ops/), and completes the Work. Links with a
+`direct` path (tcp) send from and receive into the user's tensor; the others stage each
+chunk in their registered slots (shm: the neighbour's own slot, so reduce writes there).
+Slots are allocated by the link kinds: once (tcp), or per epoch and link (shm, rdma).
 
 Errors. A `RecoverableError` (peer lost, timeout, `abort`, stale epoch) fails the running
 Work and every queued one ("skipped"), and the engine refuses new work until the next
-`reconfigure`. A `FatalError` (ranks disagree on size or dtype, bad arguments) is sent
+`reconfigure`; it also closes the links at once, so the neighbours fail now rather than at
+their timeouts. A `FatalError` (ranks disagree on size or dtype, bad arguments) is sent
 around the ring so that every rank raises it, and no rank hangs. Every wait has a deadline.
 """
 from __future__ import annotations
@@ -22,8 +26,10 @@ import torch
 
 from lightning_ft import ops
 from .ring import chunks, neighbours, partitions, schedule, segments
-from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FTARError, Identity, RecoverableError,
-                             Transport, byte_view, job_hash)
+from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FTARError, Identity, LinkContext,
+                             RecoverableError, job_hash)
+from .transport.base import RxLink, TxLink
+from .transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +82,7 @@ class FTAR:
     def __init__(self, job: str, replica: int, rank: int, secret: bytes | str, *, chunk_bytes: int = 4 << 20,
                  num_chunks: int = 4, timeout_s: float = 5.0, connect_timeout_s: float = 5.0,
                  start_timeout_s: float = 300.0,
-                 transport: str | Transport = "tcp", bind_host: str = "127.0.0.1", staged: bool = False) -> None:
+                 transport: str = "tcp", bind_host: str = "127.0.0.1", staged: bool = False) -> None:
         if chunk_bytes <= 0 or num_chunks <= 0:
             raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} num_chunks={num_chunks}")
         secret_b = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -92,25 +98,18 @@ class FTAR:
         self.connect_timeout_s = connect_timeout_s
         self.staged = staged
         """Force the staged (registered-slot) data path even on a zero-copy transport."""
-        if isinstance(transport, Transport):
-            self.transport = transport
-        elif transport == "tcp":
-            from .transport.tcp import TcpTransport
-
-            self.transport = TcpTransport(self.ident, bind_host)
-        elif transport == "rdma":
-            from .transport.rdma import RdmaTransport  # noqa: F401  (raises a clear error without a device)
-
-            self.transport = RdmaTransport(self.ident, bind_host)
-        else:
-            raise FatalError(f"unknown FTAR transport {transport!r}; use 'tcp' or 'rdma'")
-        self.transport.set_abort_handler(self._remote_abort)
-        # Allocated once: C slots of S bytes each way (registered with the transport).
-        self.sendbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
-        self.recvbuf = torch.empty(self.S * self.C, dtype=torch.uint8)
-        self.transport.register(self.sendbuf, self.recvbuf, self.S)
+        if chunk_bytes % 8:
+            raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} must be a multiple of 8")
+        # Send and receive slots (C or 2C of S bytes) are allocated and registered once by
+        # each link kind, or per epoch where a stale writer must not reach them (shm, rdma).
+        ctx = LinkContext(self.ident, self.S, self.C, self._mismatch)
+        self.transport = Endpoint(self.ident, bind_host, transport, ctx)
+        """Listener, handshakes and the current epoch's links (`ftar.transport`)."""
+        self.transport.on_abort = self._remote_abort
         self._ring: Optional[Ring] = None
         self._seq = 0
+        self._ticket = 0
+        """The last direct send's ticket (waited for at the end of an all-reduce)."""
         self._broken: Optional[FTARError] = None
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._lock = threading.Lock()
@@ -229,6 +228,7 @@ class FTAR:
                     work._finish()
                 except FatalError as e:
                     # Pass it on around the ring so that every rank raises it (once each).
+                    # (The links stay open: the message must travel on around the ring.)
                     self.transport.send_fatal(self._header(ring, torch.empty(0), 0, 0, 0, 0), str(e))
                     with self._lock:
                         self._broken = e
@@ -239,6 +239,9 @@ class FTAR:
                         self._broken = self._broken or e
                     if aborted is not None and aborted is not e:  # say why we were interrupted
                         e = RecoverableError(e.peer, f"{aborted.reason}; {e.reason}")
+                    # Close our links now, so that the neighbours fail at once instead of at
+                    # their timeouts; the next reconfigure builds new ones.
+                    self.transport.abort(f"the all-reduce failed: {e}")
                     work._finish(e)
                 except Exception as e:  # a local device error or a bug: fatal, but never a hang
                     err = FatalError(f"FTAR control thread failed: {type(e).__name__}: {e}")
@@ -267,77 +270,85 @@ class FTAR:
             return
         es = flat.element_size()
         plan = schedule(ring.n, ring.index)
-        staged = self.staged or not self.transport.zero_copy
-        for p, part in enumerate(partitions(flat.numel(), es, ring.n, self.S, self.C)):
-            segs = segments(part, ring.n)
-            if staged:
-                self._partition_staged(flat, ring, plan, segs, p, divisor)
-            else:
-                self._partition_zero_copy(flat, ring, plan, segs, p, divisor)
+        tx, rx = self.transport.tx, self.transport.rx
+        if tx is None or rx is None:
+            raise RecoverableError(None, "the ring's links are closed (aborted); reconfigure first")
+        staged = self.staged or not tx.direct
+        parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
+        first = self._first_staged if staged else self._first_direct
+        run = self._partition_staged if staged else self._partition_direct
+        first(flat, ring, plan, parts[0], 0, tx)
+        for p, segs in enumerate(parts):
+            # The next partition's first sends go out before this one's last step, whose
+            # receives forward nothing: the link would idle there (the partition bubble).
+            # Every rank does the same, so each stream keeps the order its reader expects.
+            nxt = None if p + 1 == len(parts) else (lambda p=p: first(flat, ring, plan, parts[p + 1], p + 1, tx))
+            run(flat, ring, plan, segs, p, divisor, tx, rx, nxt)
+        if staged:
+            tx.flush(self.timeout_s)
+        else:
+            tx.wait_sent(self._ticket, self.timeout_s)
 
-    def _recv_checked(self, want: ChunkHeader, dest: memoryview) -> None:
-        def check(hdr: ChunkHeader) -> memoryview:
-            if hdr != want:
-                self._mismatch(hdr, want)
-            return dest
+    def _timeout(self, p: int, s: int) -> float:
+        """The first step of an all-reduce may wait for peers still computing (start timeout)."""
+        return self.start_timeout_s if p == 0 and s == 0 else self.timeout_s
 
-        first = want.partition == 0 and want.step == 0 and want.chunk == 0
-        self.transport.recv(check, self.start_timeout_s if first else self.timeout_s)
-
-    def _partition_zero_copy(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int,
-                             divisor: Optional[float]) -> None:
-        """Send from and receive into the user's tensor (TCP): reduce-scatter partial sums are
-        kept in place in the user's buffer (all-gather overwrites them), and all-gather chunks
-        land directly where they belong and are forwarded from there."""
+    def _first_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink) -> None:
         es = flat.element_size()
-        recvbuf = self.recvbuf.view(flat.dtype)
-        slot = self.S // es
-        ticket = 0
         for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            ticket = self.transport.send(self._header(ring, flat, p, 0, j, c.numel * es), byte_view(flat[c.start:c.end]))
+            self._ticket = tx.send(self._header(ring, flat, p, 0, j, c.numel * es), flat[c.start:c.end],
+                                   self._timeout(p, 0))
+
+    def _partition_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
+                          tx: TxLink, rx: RxLink, start_next) -> None:
+        """Send from and receive into the user's tensor (tcp): reduce-scatter partial sums
+        are kept in place in the user's buffer (all-gather overwrites them), and all-gather
+        chunks land directly where they belong and are forwarded from there."""
+        es = flat.element_size()
         for s, st in enumerate(plan):
             forward = s + 1 < len(plan)
+            if not forward and start_next is not None:
+                start_next()
+            timeout = self._timeout(p, s)
             for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
                 user = flat[c.start:c.end]
                 want = self._header(ring, flat, p, s, j, c.numel * es)
                 if st.phase == "rs":
-                    recv = recvbuf[j * slot: j * slot + c.numel]
-                    self._recv_checked(want, byte_view(recv))
+                    recv = rx.recv(want, timeout).view(flat.dtype)[:c.numel]
                     ops.reduce_(user, recv, user)
+                    rx.release(want)
                     if st.last_rs and divisor is not None:
                         ops.scale_(user, divisor)
                 else:
-                    self._recv_checked(want, byte_view(user))
+                    rx.recv_into(want, user, timeout)
                 if forward:
-                    ticket = self.transport.send(self._header(ring, flat, p, s + 1, j, c.numel * es),
-                                                 byte_view(user))
-        self.transport.wait_sent(ticket, self.timeout_s)
+                    self._ticket = tx.send(self._header(ring, flat, p, s + 1, j, c.numel * es), user, self.timeout_s)
 
-    def _partition_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int,
-                          divisor: Optional[float]) -> None:
-        """Every chunk goes through the registered slots (RDMA, GPU): `copy` packs into
-        sendbuf, `reduce` writes the next hop's sendbuf and, on the last reduce-scatter step,
-        also the user's buffer (fused)."""
-        es = flat.element_size()
-        sendbuf = self.sendbuf.view(flat.dtype)
-        recvbuf = self.recvbuf.view(flat.dtype)
-        slot = self.S // es
-        tickets = [0] * self.C  # last send from each slot
+    def _first_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink) -> None:
+        es, dt = flat.element_size(), flat.dtype
         for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            out = sendbuf[j * slot: j * slot + c.numel]
-            ops.copy_(out, flat[c.start:c.end])
-            tickets[j] = self.transport.send(self._header(ring, flat, p, 0, j, c.numel * es), byte_view(out))
+            hdr = self._header(ring, flat, p, 0, j, c.numel * es)
+            ops.copy_(tx.reserve(hdr, self._timeout(p, 0)).view(dt)[:c.numel], flat[c.start:c.end])
+            tx.post(hdr, self.timeout_s)
+
+    def _partition_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
+                          tx: TxLink, rx: RxLink, start_next) -> None:
+        """Every chunk goes through the link's staging memory (shm: the neighbour's slot;
+        rdma: the registered sendbuf): `copy` packs into it, `reduce` writes the next hop's
+        staging and, on the last reduce-scatter step, also the user's buffer (fused)."""
+        es, dt = flat.element_size(), flat.dtype
         for s, st in enumerate(plan):
             forward = s + 1 < len(plan)
+            if not forward and start_next is not None:
+                start_next()
+            timeout = self._timeout(p, s)
             for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
-                recv = recvbuf[j * slot: j * slot + c.numel]
-                out = sendbuf[j * slot: j * slot + c.numel]
                 user = flat[c.start:c.end]
-                self._recv_checked(self._header(ring, flat, p, s, j, c.numel * es), byte_view(recv))
-                if forward:
-                    # The slot's last send is out (at step 0 the right neighbour may still be computing).
-                    self.transport.wait_sent(tickets[j], self.start_timeout_s if s == 0 else self.timeout_s)
-                if st.phase == "rs":
+                want = self._header(ring, flat, p, s, j, c.numel * es)
+                recv = rx.recv(want, timeout).view(dt)[:c.numel]
+                nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
+                out = tx.reserve(nxt, timeout).view(dt)[:c.numel] if forward else None
+                if st.phase == "rs":  # always forwards (all-gather follows)
                     if st.last_rs and divisor is not None:
                         ops.reduce_(out, recv, user)
                         ops.scale_(out, divisor)
@@ -348,10 +359,9 @@ class FTAR:
                     ops.copy_(user, recv)
                     if forward:
                         ops.copy_(out, recv)
+                rx.release(want)
                 if forward:
-                    tickets[j] = self.transport.send(self._header(ring, flat, p, s + 1, j, c.numel * es),
-                                                     byte_view(out))
-        self.transport.wait_sent(max(tickets), self.timeout_s)
+                    tx.post(nxt, self.timeout_s)
 
     def _mismatch(self, got: ChunkHeader, want: ChunkHeader) -> None:
         if got.job != want.job:

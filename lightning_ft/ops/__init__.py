@@ -58,6 +58,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+_PROGRAMS: dict[str, int] = {}
+
+
+def set_num_programs(n: int) -> None:
+    """The grid size of the Triton kernels in this process (`ftar.num_programs`: the SMs the
+    data plane may take from the model); the kernels' own default when never set."""
+    if n < 1:
+        raise ValueError(f"num_programs={n} must be >= 1")
+    _PROGRAMS["n"] = int(n)
+
+
+def _kw() -> dict[str, int]:
+    return {"num_programs": _PROGRAMS["n"]} if "n" in _PROGRAMS else {}
+
+
 def _use_triton(t: Tensor) -> bool:
     return t.is_cuda and triton_available()
 
@@ -65,7 +80,7 @@ def _use_triton(t: Tensor) -> bool:
 def copy_(dst: Tensor, src: Tensor) -> None:
     """Copy src into dst (same dtype and numel), e.g. a user-buffer chunk into the send buffer."""
     if _use_triton(dst):
-        _triton_ops().copy_(dst, src)
+        _triton_ops().copy_(dst, src, **_kw())
     else:
         torch_copy_(dst, src)
 
@@ -76,7 +91,7 @@ def reduce_(out: Tensor, recv: Tensor, local: Tensor, out2: Tensor | None = None
     fp32 compute, round to nearest even for 16-bit dtypes. out may be the same tensor as recv or local.
     """
     if _use_triton(out):
-        _triton_ops().reduce_(out, recv, local, out2)
+        _triton_ops().reduce_(out, recv, local, out2, **_kw())
     else:
         torch_reduce_(out, recv, local, out2)
 
@@ -84,6 +99,6 @@ def reduce_(out: Tensor, recv: Tensor, local: Tensor, out2: Tensor | None = None
 def scale_(t: Tensor, divisor: float) -> None:
     """Divide t by divisor in place (fp32 compute, round to nearest even), e.g. to average."""
     if _use_triton(t):
-        _triton_ops().scale_(t, divisor)
+        _triton_ops().scale_(t, divisor, **_kw())
     else:
         torch_scale_(t, divisor)

@@ -145,7 +145,7 @@ class ReplicaManager:
                  bind_host: str = "127.0.0.1", advertise_host: str = "",
                  fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
-                 sync_timeout_s: float = 120.0, etcd_config: Any = None) -> None:
+                 sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -172,6 +172,7 @@ class ReplicaManager:
         self.digest_every, self.checkpoint_every = max(0, digest_every), max(0, checkpoint_every)
         self.checkpoint_root, self.run_dir = checkpoint_root, run_dir
         self.sync_timeout_s = sync_timeout_s
+        self.num_programs = num_programs
         self.step = 0
         """Committed steps of this replica (its state is at the end of step `step - 1`)."""
         self.gen = 0
@@ -226,7 +227,7 @@ class ReplicaManager:
                   bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
                   fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
                   checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg),
-                  etcd_config=cfg.etcd)
+                  etcd_config=cfg.etcd, num_programs=cfg.ftar.num_programs)
         kw.update(overrides)
         return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
                    secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
@@ -252,6 +253,9 @@ class ReplicaManager:
         if self.is_leader and self._store is None:
             self._store = store_from_config(self._etcd_config, self._etcd)
         host = self._broadcast(advertised(self.bind_host, self.advertise_host, self._etcd) if self.is_leader else None)
+        from lightning_ft import ops
+
+        ops.set_num_programs(self.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
         self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
         self.server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))

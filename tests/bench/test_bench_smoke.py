@@ -20,9 +20,11 @@ def test_quorum_bench_prints_percentiles():
 
 def test_ftar_bench_runs_ftar_and_gloo_side_by_side():
     rows = run_bench("lightning_ft.bench.ftar", "--ranks", "2", "--size-mb", "1", "--iters", "2")
-    (r,) = rows
-    assert r["bench"] == "ftar" and r["ranks"] == 2 and r["ftar_busbw_gbps"] > 0 and r["gloo_busbw_gbps"] > 0
-    assert abs(r["ratio"] - r["ftar_busbw_gbps"] / r["gloo_busbw_gbps"]) < 0.01
+    assert [r["transport"] for r in rows] == ["tcp", "shm"]
+    for r in rows:
+        assert r["bench"] == "ftar" and r["ranks"] == 2 and r["ftar_busbw_gbps"] > 0 and r["gloo_busbw_gbps"] > 0
+        assert abs(r["ratio"] - r["ftar_busbw_gbps"] / r["gloo_busbw_gbps"]) < 0.01
+        assert len(r["loadavg"].split()) == 3
 
 
 def test_kernels_bench_says_no_gpu_on_cpu():

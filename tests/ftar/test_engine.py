@@ -1,5 +1,9 @@
-"""FTAR over real TCP on loopback: correctness, SIGKILL, SIGSTOP, abort, refusals and
-fatal mismatches. Multi-process tests bound every wait and kill their processes by PID."""
+"""FTAR over each transport (tcp and shm here; rdma where a verbs device exists):
+correctness, SIGKILL, SIGSTOP, abort, refusals and fatal mismatches. Multi-process tests
+bound every wait and kill their processes by PID.
+
+The rdma cases need a verbs device (`ibv_devices` lists one) and pyverbs; run them with
+`LFT_RDMA_DEVICE=mlx5_0 .venv/bin/python -m pytest -q tests/ftar -k rdma` (see README)."""
 from __future__ import annotations
 
 import os
@@ -15,16 +19,24 @@ import torch
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.jsonlines import JsonLines
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError
+from lightning_ft.ftar.transport.rdma import rdma_skip_reason
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 
 
+@pytest.fixture(params=["tcp", "shm", "rdma"])
+def transport(request):
+    if request.param == "rdma" and rdma_skip_reason():
+        pytest.skip(rdma_skip_reason())
+    return request.param
+
+
 class Worker:
-    def __init__(self, d, rank, n, scenario, victim=-1, env=None):
+    def __init__(self, d, rank, n, scenario, victim=-1, env=None, transport="tcp"):
         self.rank = rank
         self.proc = subprocess.Popen([sys.executable, WORKER, str(d), str(rank), str(n), scenario, str(victim)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, "FTAR_TRANSPORT": transport, **(env or {})})
         self.out = JsonLines(self.proc.stdout)
 
     @property
@@ -50,15 +62,15 @@ def workers():
         w.proc.wait(5)
 
 
-def spawn(workers, d, n, scenario, victim=-1, env=None):
-    ws = [Worker(d, r, n, scenario, victim, env) for r in range(n)]
+def spawn(workers, d, n, scenario, victim=-1, env=None, transport="tcp"):
+    ws = [Worker(d, r, n, scenario, victim, env, transport) for r in range(n)]
     workers.extend(ws)
     return ws
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_sums_match_torch_and_are_bitwise_identical_on_every_rank(tmp_path, workers, n):
-    ws = spawn(workers, tmp_path, n, "correct")
+def test_sums_match_torch_and_are_bitwise_identical_on_every_rank(tmp_path, workers, n, transport):
+    ws = spawn(workers, tmp_path, n, "correct", transport=transport)
     for w in ws:
         assert w.proc.wait(120) == 0, w.proc.stderr.read()
     results = [[e for e in w.events if e["event"] == "result"] for w in ws]
@@ -71,9 +83,9 @@ def test_sums_match_torch_and_are_bitwise_identical_on_every_rank(tmp_path, work
 
 
 @pytest.mark.parametrize("n", [3, 4])
-def test_sigkill_mid_allreduce_fails_survivors_fast_and_smaller_ring_works(tmp_path, workers, n):
+def test_sigkill_mid_allreduce_fails_survivors_fast_and_smaller_ring_works(tmp_path, workers, n, transport):
     victim = 1
-    ws = spawn(workers, tmp_path, n, "loop", victim)
+    ws = spawn(workers, tmp_path, n, "loop", victim, transport=transport)
     for w in ws:
         w.wait_event("running", 60)
     t_kill = time.time()
@@ -90,9 +102,9 @@ def test_sigkill_mid_allreduce_fails_survivors_fast_and_smaller_ring_works(tmp_p
     assert all(w.wait_event("after", 1)["max_err"] < 1e-4 for w in survivors)
 
 
-def test_sigstopped_peer_gives_recoverable_error_at_the_timeout(tmp_path, workers):
+def test_sigstopped_peer_gives_recoverable_error_at_the_timeout(tmp_path, workers, transport):
     victim = 2
-    ws = spawn(workers, tmp_path, 3, "loop", victim, env={"FTAR_TIMEOUT": "1.0"})
+    ws = spawn(workers, tmp_path, 3, "loop", victim, env={"FTAR_TIMEOUT": "1.0"}, transport=transport)
     for w in ws:
         w.wait_event("running", 60)
     t_stop = time.time()
@@ -107,9 +119,9 @@ def test_sigstopped_peer_gives_recoverable_error_at_the_timeout(tmp_path, worker
 
 # -- in-process: several FTARs in one process, over real loopback sockets -----------------------
 
-def make_ring(n, epochs=None, secrets=None, jobs=None, **kw):
-    fs = [FTAR((jobs or ["j"] * n)[r], r, 0, (secrets or ["s"] * n)[r], chunk_bytes=1 << 12, num_chunks=2, **kw)
-          for r in range(n)]
+def make_ring(n, epochs=None, secrets=None, jobs=None, transport="tcp", **kw):
+    fs = [FTAR((jobs or ["j"] * n)[r], r, 0, (secrets or ["s"] * n)[r], chunk_bytes=1 << 12, num_chunks=2,
+               transport=transport, **kw) for r in range(n)]
     return fs
 
 
@@ -134,8 +146,8 @@ def close_all(fs):
         f.close()
 
 
-def test_abort_from_another_thread_interrupts_a_blocked_allreduce_within_100ms():
-    fs = make_ring(2, timeout_s=30)
+def test_abort_from_another_thread_interrupts_a_blocked_allreduce_within_100ms(transport):
+    fs = make_ring(2, timeout_s=30, transport=transport)
     try:
         assert connect_all(fs) == {}
         w = fs[0].allreduce([torch.ones(10000)])  # rank 1 never joins: rank 0 blocks
@@ -155,8 +167,8 @@ def test_abort_from_another_thread_interrupts_a_blocked_allreduce_within_100ms()
         close_all(fs)
 
 
-def test_reconfigure_after_failure_restores_service():
-    fs = make_ring(3)
+def test_reconfigure_after_failure_restores_service(transport):
+    fs = make_ring(3, transport=transport)
     try:
         assert connect_all(fs) == {}
         fs[0].abort("test")
@@ -171,8 +183,8 @@ def test_reconfigure_after_failure_restores_service():
         close_all(fs)
 
 
-def test_wrong_secret_is_refused():
-    fs = make_ring(2, secrets=["s", "other"], connect_timeout_s=1.0)
+def test_wrong_secret_is_refused(transport):
+    fs = make_ring(2, secrets=["s", "other"], connect_timeout_s=1.0, transport=transport)
     try:
         errors = connect_all(fs)
         assert set(errors) == {0, 1}
@@ -183,8 +195,8 @@ def test_wrong_secret_is_refused():
         close_all(fs)
 
 
-def test_wrong_job_is_refused():
-    fs = make_ring(2, jobs=["a", "b"], connect_timeout_s=1.0)
+def test_wrong_job_is_refused(transport):
+    fs = make_ring(2, jobs=["a", "b"], connect_timeout_s=1.0, transport=transport)
     try:
         errors = connect_all(fs)
         assert "job mismatch" in " ".join(str(e) for e in errors.values())
@@ -192,8 +204,8 @@ def test_wrong_job_is_refused():
         close_all(fs)
 
 
-def test_stale_epoch_is_refused():
-    fs = make_ring(2, connect_timeout_s=1.0)
+def test_stale_epoch_is_refused(transport):
+    fs = make_ring(2, connect_timeout_s=1.0, transport=transport)
     try:
         errors = connect_all(fs, epochs=[2, 1])
         assert isinstance(errors[1], RecoverableError)
@@ -203,8 +215,8 @@ def test_stale_epoch_is_refused():
         close_all(fs)
 
 
-def test_shape_mismatch_is_fatal_on_every_rank_without_a_hang():
-    fs = make_ring(3, timeout_s=10)
+def test_shape_mismatch_is_fatal_on_every_rank_without_a_hang(transport):
+    fs = make_ring(3, timeout_s=10, transport=transport)
     try:
         assert connect_all(fs) == {}
         sizes = [5000, 5001, 5000]
@@ -218,8 +230,8 @@ def test_shape_mismatch_is_fatal_on_every_rank_without_a_hang():
         close_all(fs)
 
 
-def test_dtype_mismatch_is_fatal():
-    fs = make_ring(2, timeout_s=10)
+def test_dtype_mismatch_is_fatal(transport):
+    fs = make_ring(2, timeout_s=10, transport=transport)
     try:
         assert connect_all(fs) == {}
         works = [fs[0].allreduce([torch.ones(100)]), fs[1].allreduce([torch.ones(100, dtype=torch.bfloat16)])]
@@ -232,8 +244,8 @@ def test_dtype_mismatch_is_fatal():
 
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_both_data_paths_agree_bitwise(staged, dtype):
-    fs = make_ring(3, staged=staged)
+def test_both_data_paths_agree_bitwise(staged, dtype, transport):
+    fs = make_ring(3, staged=staged, transport=transport)
     try:
         assert connect_all(fs) == {}
         g = torch.Generator().manual_seed(3)
@@ -297,10 +309,10 @@ def test_replica_leader_can_abort_another_rank_of_its_replica():
         close_all(r1 + [leader, stranger])
 
 
-def test_first_chunk_waits_for_a_late_peer_but_later_silence_times_out():
+def test_first_chunk_waits_for_a_late_peer_but_later_silence_times_out(transport):
     """A lagging replica calls in at once while contributors still run their backward: the
     first chunk may take long (start_timeout_s); silence mid-collective (timeout_s) may not."""
-    fs = make_ring(2, timeout_s=0.3, start_timeout_s=5.0)
+    fs = make_ring(2, timeout_s=0.3, start_timeout_s=5.0, transport=transport)
     try:
         assert connect_all(fs) == {}
         early = fs[0].allreduce([torch.ones(50000)])

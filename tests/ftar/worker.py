@@ -2,7 +2,8 @@
 
     python tests/ftar/worker.py DIR RANK N SCENARIO [victim]
 
-Ranks find each other through address files in DIR. Scenarios:
+Ranks find each other through address files in DIR; FTAR_TRANSPORT picks the transport
+(default tcp) and FTAR_TIMEOUT the timeouts. Scenarios:
   correct  several all-reduces of fp32/bf16 buckets with odd sizes; prints result hashes
   loop     all-reduce forever until an error, then reconfigure without the victim and do
            one more checked all-reduce
@@ -56,7 +57,7 @@ def main() -> int:
     timeout = float(os.environ.get("FTAR_TIMEOUT", "5"))
     # The configured timeout also bounds the wait for the first chunk (no eviction watch here).
     f = FTAR("testjob", rank, 0, "secret", chunk_bytes=64 << 10, num_chunks=4, timeout_s=timeout,
-             start_timeout_s=timeout, connect_timeout_s=10)
+             start_timeout_s=timeout, connect_timeout_s=10, transport=os.environ.get("FTAR_TRANSPORT", "tcp"))
     tmp = os.path.join(d, f"addr.{rank}.tmp")
     with open(tmp, "w") as fh:
         fh.write(f.address)

@@ -1,10 +1,15 @@
-"""The FTAR transport interface and what every transport shares (DESIGN §4).
+"""What every FTAR transport shares (DESIGN §4): errors, chunk headers, the link interface.
 
-The interface is RDMA-shaped: a transport owns two *registered* buffers of C slots of S
-bytes. `send(hdr, slot)` writes sendbuf[slot] into the right neighbour's recvbuf[slot]
-(one-sided, in order); `recv(slot)` waits until the left neighbour's write into our
-recvbuf[slot] has landed and returns its header. A slot's credit goes back to the sender
-when the receiver next calls `recv` on it. The ring code is the same for TCP and RDMA.
+A ring neighbour pair is joined by two *links*, one per direction, set up per epoch by
+the endpoint's handshake (endpoint.py). The engine writes chunk j of a ring step with
+`TxLink.send` and takes the left neighbour's chunk j with `RxLink.recv` (into the link's
+slot j, then `release(j)`) or `RxLink.recv_into` (into the user's memory). A link is of
+one *kind*, negotiated per link in the handshake:
+  tcp   a stream with a header per chunk (tcp.py);
+  shm   one-sided writes into the neighbour's mapped slots, doorbells and credits on the
+        handshake socket (shm.py over onesided.py);
+  rdma  one-sided RDMA_WRITE_WITH_IMM into registered slots (rdma.py over onesided.py).
+The ring code in engine.py is the same for all three.
 
 Errors: `RecoverableError` (peer closed or reset, timeout, abort, stale epoch) and
 `FatalError` (size/dtype mismatch, bad arguments, local device error).
@@ -13,12 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import socket
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
+
+from lightning_ft.config import TRANSPORTS
 
 
 class FTARError(RuntimeError):
@@ -36,6 +45,10 @@ class RecoverableError(FTARError):
 
 class FatalError(FTARError):
     """Programming or configuration error; retrying cannot help. The process should exit."""
+
+
+class SetupError(RuntimeError):
+    """A link could not be set up (mapping, registration, QP transition): its handshake fails."""
 
 
 MAGIC = 0x4C465431  # "LFT1"
@@ -102,39 +115,59 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-class Transport(ABC):
-    """One rank's endpoint in one ring. Created once; `connect` is called per epoch.
 
-    Sends are asynchronous and complete in order; `send` returns a ticket for `wait_sent`.
-    A `zero_copy` transport (TCP) can send from and receive into any host memory, so the
-    engine skips the staging copies; otherwise (RDMA) every chunk goes through the
-    registered slots."""
 
-    address: str
-    """Where left neighbours connect to: published in the member report."""
-    zero_copy: bool = False
+def shutdown(sock: Optional[socket.socket]) -> None:
+    """Wake every thread blocked on `sock` now (the peer sees EOF); closing is separate."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def close_socket(sock: Optional[socket.socket]) -> None:
+    if sock is not None:
+        shutdown(sock)
+        sock.close()
+
+
+# -- links --------------------------------------------------------------------------------------
+
+Mismatch = Callable[[ChunkHeader, ChunkHeader], None]
+"""Raises the right error for a chunk header that differs from the expected one."""
+
+
+class TxLink(ABC):
+    """Our direction to the right neighbour, for one epoch. Two ways to send a chunk:
+    direct (`send` from any memory, then `wait_sent`) where `direct` is set (tcp), and
+    staged (`reserve` the chunk's staging memory, fill it, `post` it, `flush` at the end),
+    which every link supports: shm stages in the neighbour's own slot (reduce writes there
+    at once), rdma in its registered send buffer."""
+
+    kind: str
+    direct: bool = False
 
     @abstractmethod
-    def register(self, sendbuf: torch.Tensor, recvbuf: torch.Tensor, slot_bytes: int) -> None:
-        """Register the engine's send and receive buffers (C slots of S bytes each)."""
-
-    @abstractmethod
-    def connect(self, epoch: int, index: int, n: int, left: str, right: str, timeout_s: float) -> None:
-        """Drop connections of older epochs and connect to this epoch's ring neighbours."""
-
-    @abstractmethod
-    def send(self, hdr: ChunkHeader, src: memoryview) -> int:
-        """Start writing `src` (hdr.nbytes bytes) to the right neighbour; returns a ticket.
-        `src` must stay unchanged until `wait_sent(ticket)`."""
+    def send(self, hdr: ChunkHeader, src: torch.Tensor, timeout_s: float) -> int:
+        """Start writing `src` (hdr.nbytes bytes) as chunk hdr; returns a ticket. `src` must
+        stay unchanged until `wait_sent(ticket)`. May wait up to `timeout_s` for a credit."""
 
     @abstractmethod
     def wait_sent(self, ticket: int, timeout_s: float) -> None:
-        """Block until send `ticket` (and every earlier one) no longer needs its memory."""
+        """Block until write `ticket` and every earlier one no longer need their memory."""
 
     @abstractmethod
-    def recv(self, dest: Callable[[ChunkHeader], memoryview], timeout_s: float) -> ChunkHeader:
-        """Receive the next chunk from the left neighbour. `dest(header)` validates the
-        header (raising on a mismatch) and returns where its payload goes."""
+    def reserve(self, hdr: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        """The S-byte uint8 staging memory for chunk `hdr` (waits for it to be free)."""
+
+    @abstractmethod
+    def post(self, hdr: ChunkHeader, timeout_s: float) -> None:
+        """Send chunk `hdr` from the memory `reserve` returned."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float) -> None:
+        """Block until every posted write no longer needs its memory."""
 
     @abstractmethod
     def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
@@ -142,17 +175,110 @@ class Transport(ABC):
 
     @abstractmethod
     def abort(self, reason: str) -> None:
-        """Interrupt every blocked call now (any thread). Calls fail until `connect`."""
+        """Interrupt blocked calls now (any thread); later calls raise."""
 
     @abstractmethod
-    def abort_peer(self, addr: str, reason: str, epoch: int, timeout_s: float) -> None:
-        """Ask the transport listening at `addr` (another rank of our replica) to abort its
-        ring of `epoch`."""
+    def close(self) -> None: ...
+
+
+class RxLink(ABC):
+    """The left neighbour's direction to us, for one epoch."""
+
+    kind: str
 
     @abstractmethod
-    def set_abort_handler(self, fn: Callable[[str, int], None]) -> None:
-        """`fn(reason, epoch)` is called when our replica's leader sends us an abort."""
+    def recv(self, want: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        """Wait for chunk `want` (header checked with the mismatch handler); returns the
+        uint8 memory that holds its bytes until `release(want)`."""
 
     @abstractmethod
+    def release(self, want: ChunkHeader) -> None:
+        """Done with chunk `want`'s memory: the sender may write it again."""
+
+    @abstractmethod
+    def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
+        """Wait for chunk `want` and leave its bytes in `dest` (released at once)."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass
+class LinkContext:
+    """What a link kind needs from its endpoint."""
+
+    ident: Identity
+    slot_bytes: int
+    num_slots: int
+    mismatch: Mismatch
+
+
+class LinkKind(ABC):
+    """Sets up one kind of link during the handshake. The acceptor (receiver) side runs
+    `accept` and then `finish_accept`; the dialer (sender) runs `dial` in between."""
+
+    name: str
+
+    def __init__(self, ctx: LinkContext) -> None:
+        self.ctx = ctx
+
+    def offer(self) -> dict:
+        """What the dialer tells the acceptor about itself in its hello."""
+        return {}
+
+    @abstractmethod
+    def accept(self, sock: socket.socket, epoch: int, peer: str, offer: dict) -> tuple[object, dict]:
+        """Receiver side: create this epoch's receive resources; returns (state, descriptor
+        for the dialer)."""
+
+    @abstractmethod
+    def dial(self, sock: socket.socket, epoch: int, peer: str, desc: dict) -> tuple[TxLink, dict]:
+        """Sender side: attach to the receiver's descriptor; returns (link, confirmation)."""
+
+    @abstractmethod
+    def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
+        """Receiver side, after the dialer confirmed."""
+
+    def discard(self, state: object) -> None:
+        """Free the receive resources of a handshake that did not complete."""
+
     def close(self) -> None:
-        """Release sockets, threads and registrations."""
+        """Release what the kind holds for the endpoint's lifetime (device, registrations)."""
+
+
+def allowed_kinds(transport: str, rdma_device: bool) -> list[str]:
+    """Link kinds a rank accepts, in order of preference, for `ftar.transport`."""
+    if transport == "auto":
+        return ["shm"] + (["rdma"] if rdma_device else []) + ["tcp"]
+    if transport in TRANSPORTS:
+        return [transport]
+    raise FatalError(f"unknown FTAR transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+
+
+def choose_link(offered: Sequence[str], mine: Sequence[str], same_host: bool) -> tuple[Optional[str], str]:
+    """The acceptor's choice for a link: the dialer's first offered kind that we accept
+    (shm only between processes of one host). Returns (kind, why) or (None, the refusal)."""
+    for kind in offered:
+        if kind in mine and (kind != "shm" or same_host):
+            return kind, f"{kind}: first kind both ends accept" + (" (same host)" if kind == "shm" else "")
+    if not offered:
+        return None, "the left neighbour offered no link kind"
+    if set(offered) & set(mine) == {"shm"} and not same_host:
+        return None, ("ftar.transport=shm needs ring neighbours on one host, and the left neighbour is on "
+                      "another host; use ftar.transport=auto or tcp")
+    return None, (f"no common link kind: the left neighbour offers {list(offered)}, this rank accepts "
+                  f"{list(mine)}; every replica of a job must use the same ftar.transport")
+
+
+def host_id() -> str:
+    """Same value for processes that can map each other's memory (one boot, one pid
+    namespace): the test for shm links."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"unknown:{socket.gethostname()}:{os.getpid()}"  # never equal: no shm

@@ -1,71 +1,177 @@
-"""TCP transport for FTAR (DESIGN §4).
+"""TCP links for FTAR (DESIGN §4): a stream per direction, a header per chunk.
 
-One connection per direction to each ring neighbour: we dial the right neighbour and send
-on that socket; the left neighbour dials us and we receive on its socket. A sender thread
-owns the outgoing socket, so the control thread can receive and reduce while chunks are on
-the wire. Each chunk is a fixed header followed by its bytes, written straight from the
-registered send buffer and read straight into the registered receive buffer (no copies).
-
-Handshake (length-prefixed JSON), mutual proof of the job secret:
-  dialer -> acceptor  hello{job, epoch, replica, rank, index, nonce_d}
-  acceptor -> dialer  {ok, replica, rank, nonce_a, mac = HMAC("acceptor", nonce_d, job, epoch, ...)} | {error}
-  dialer -> acceptor  {mac = HMAC("dialer", nonce_a, job, epoch, replica, rank, index)}
-  acceptor -> dialer  {ok} | {error}
-A wrong job, secret, rank or a stale epoch is refused with the reason; accepted sockets are
-parked by (epoch, index) until `connect` for that epoch takes them.
+We dial the right neighbour and send on that socket; the left neighbour dials us and we
+receive on its socket (the handshake is endpoint.py's). A sender thread owns the outgoing
+socket, so the control thread can receive and reduce while chunks are on the wire. Each
+chunk is a fixed header followed by its bytes, written straight from the source memory
+and read straight into the destination (the user's tensor or a private slot): no copies
+besides the kernel's.
 """
 from __future__ import annotations
 
-import json
-import logging
-import os
 import queue
 import socket
-import struct
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from .base import (HEADER_SIZE, KIND_DATA, KIND_FATAL, ChunkHeader, FatalError, Identity, RecoverableError,
-                   Transport, mac)
-
-log = logging.getLogger(__name__)
-
-_LEN = struct.Struct("!I")
-HANDSHAKE_TIMEOUT_S = 5.0
+from .base import (HEADER_SIZE, KIND_DATA, KIND_FATAL, ChunkHeader, FatalError, LinkContext, LinkKind,
+                   RecoverableError, RxLink, TxLink, byte_view, close_socket, shutdown)
+from .endpoint import set_kernel_timeout
 
 
-def _send_msg(sock: socket.socket, obj: dict) -> None:
-    raw = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
+class TcpKind(LinkKind):
+    name = "tcp"
+
+    def __init__(self, ctx: LinkContext) -> None:
+        super().__init__(ctx)
+        S, C = ctx.slot_bytes, ctx.num_slots
+        self._scratch = torch.empty(S * C, dtype=torch.uint8)
+        """Private receive slots, shared by every epoch's receive link (one at a time)."""
+        self._staging: Optional[list[torch.Tensor]] = None
+        """Send slots for the staged path (allocated on first use; shared like _scratch)."""
+
+    def staging(self) -> list[torch.Tensor]:
+        if self._staging is None:
+            S = self.ctx.slot_bytes
+            buf = torch.empty(S * self.ctx.num_slots, dtype=torch.uint8)
+            self._staging = [buf[j * S:(j + 1) * S] for j in range(self.ctx.num_slots)]
+        return self._staging
+
+    def accept(self, sock: socket.socket, epoch: int, peer: str, offer: dict) -> tuple[object, dict]:
+        return None, {}
+
+    def dial(self, sock: socket.socket, epoch: int, peer: str, desc: dict) -> tuple[TxLink, dict]:
+        return TcpTx(sock, peer, self.staging), {}
+
+    def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
+        S = self.ctx.slot_bytes
+        return TcpRx(sock, peer, [self._scratch[j * S:(j + 1) * S] for j in range(self.ctx.num_slots)],
+                     self.ctx.mismatch)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionResetError("peer closed the connection")
-        got += k
-    return bytes(buf)
+def _sendall_vec(sock: socket.socket, head: bytes, payload: memoryview) -> None:
+    """sendall of head + payload with one syscall when the kernel takes it all."""
+    total = len(head) + len(payload)
+    sent = sock.sendmsg([head, payload])
+    while sent < total:
+        if sent < len(head):
+            sent += sock.sendmsg([head[sent:], payload])
+        else:
+            sock.sendall(payload[sent - len(head):])
+            return
 
 
-def _recv_msg(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > 1 << 16:
-        raise ConnectionError(f"handshake message too large ({n} bytes)")
-    return json.loads(_recv_exact(sock, n))
+class TcpTx(TxLink):
+    kind = "tcp"
+    direct = True
 
+    def __init__(self, sock: socket.socket, peer: str, staging) -> None:
+        self.sock, self.peer = sock, peer
+        self._staging_fn = staging
+        self._slot_ticket: dict[int, int] = {}
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._aborted: Optional[str] = None
+        self._posted = 0
+        self._done = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="ftar-send", daemon=True)
+        self._thread.start()
 
-def _set_timeout(sock: socket.socket, opt: int, seconds: float) -> None:
-    """Kernel-side timeout (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket, so that one
-    recv(MSG_WAITALL) can take a whole chunk in a single syscall and still time out."""
-    sec = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            head, payload = item
+            try:
+                _sendall_vec(self.sock, head, payload)
+            except (OSError, ValueError) as e:
+                with self._cv:
+                    self._error = e
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._done += 1
+                self._cv.notify_all()
+
+    def _check(self) -> None:
+        if self._aborted is not None:
+            raise RecoverableError(self.peer, f"aborted: {self._aborted}")
+        if self._error is not None:
+            raise RecoverableError(self.peer, f"send failed: {self._error}")
+
+    def send(self, hdr: ChunkHeader, src: torch.Tensor, timeout_s: float) -> int:
+        self._check()
+        self._posted += 1
+        head, payload = hdr.pack(), byte_view(src)
+        if self._done == self._posted - 1:
+            # The sender thread is idle: offer the chunk to the kernel right here, without
+            # blocking; only what the socket buffer cannot take yet goes to the thread (no
+            # wakeup, no GIL hand-off per chunk while the buffer keeps up).
+            try:
+                sent = self.sock.sendmsg([head, payload], [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self._error = e
+                self._check()
+            if sent == len(head) + len(payload):
+                with self._cv:
+                    self._done += 1
+                return self._posted
+            head, payload = (head[sent:], payload) if sent < len(head) else (b"", payload[sent - len(head):])
+        self._queue.put((head, payload))
+        return self._posted
+
+    def wait_sent(self, ticket: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._done < ticket:
+                self._check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RecoverableError(self.peer, f"timed out after {timeout_s:.1f}s sending a chunk "
+                                                      "(the right neighbour stopped reading)")
+                self._cv.wait(min(left, 0.05))
+
+    def reserve(self, hdr: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        self.wait_sent(self._slot_ticket.get(hdr.chunk, 0), timeout_s)  # its last send is out
+        return self._staging_fn()[hdr.chunk]
+
+    def post(self, hdr: ChunkHeader, timeout_s: float) -> None:
+        self._slot_ticket[hdr.chunk] = self.send(hdr, self._staging_fn()[hdr.chunk][:hdr.nbytes], timeout_s)
+
+    def flush(self, timeout_s: float) -> None:
+        self.wait_sent(self._posted, timeout_s)
+
+    def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
+        if not self._thread.is_alive():
+            return
+        raw = message.encode()[:4096]
+        fatal = ChunkHeader(KIND_FATAL, hdr.job, hdr.epoch, hdr.seq, hdr.partition, hdr.step, hdr.chunk, hdr.dtype,
+                            len(raw), hdr.total_numel)
+        self._queue.put((fatal.pack(), memoryview(raw)))
+        self._queue.put(None)
+        self._thread.join(1.0)
+        try:
+            self.sock.shutdown(socket.SHUT_WR)  # the reader waits for a whole chunk: end it
+        except OSError:
+            pass
+
+    def abort(self, reason: str) -> None:
+        self._aborted = reason
+        shutdown(self.sock)
+        with self._cv:
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        close_socket(self.sock)
+        self._thread.join(2.0)
 
 
 def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
@@ -79,354 +185,82 @@ def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
             raise socket.timeout()
 
 
-def _tune(sock: socket.socket, timeout_s: float = 600.0) -> None:
-    """Blocking socket with generous kernel timeouts: the engine bounds its own waits."""
-    sock.settimeout(None)
-    _set_timeout(sock, socket.SO_RCVTIMEO, timeout_s)
-    _set_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
-    # Leave SO_SNDBUF/SO_RCVBUF alone: setting them turns off the kernel's autotuning, which
-    # grows loopback buffers well past any fixed size we could pick (measured: 0.97 -> 1.16 GB/s).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _close(sock: Optional[socket.socket]) -> None:
-    if sock is None:
-        return
+def _drain(sock: socket.socket, n: int) -> bytes:
+    """Up to `n` more bytes of a FATAL message (its sender shut the stream down after it)."""
+    out = b""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        while len(out) < n:
+            more = sock.recv(n - len(out))
+            if not more:
+                break
+            out += more
     except OSError:
         pass
-    sock.close()
+    return out
 
 
-class _Listener:
-    """Accepts left neighbours, runs the acceptor side of the handshake, parks sockets."""
+class TcpRx(RxLink):
+    kind = "tcp"
 
-    def __init__(self, ident: Identity, bind_host: str) -> None:
-        self.ident = ident
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind_host, 0))
-        self.sock.listen(64)
-        self.address = f"{bind_host}:{self.sock.getsockname()[1]}"
-        self.min_epoch = 0
-        self.parked: dict[tuple[int, int], socket.socket] = {}
-        self.refusals: list[str] = []
-        """Why recent connections were refused, newest last (for errors and tests)."""
-        self.cv = threading.Condition()
-        self.closed = False
-        self.on_abort: Optional[Callable[[str, int], None]] = None
-        """Called with (reason, ring epoch) when our replica's leader asks us to abort (abort_peer)."""
-        threading.Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
+    def __init__(self, sock: socket.socket, peer: str, payload: list[torch.Tensor], mismatch) -> None:
+        self.sock, self.peer, self.payload = sock, peer, payload
+        self._views = [byte_view(p) for p in payload]
+        self._mismatch = mismatch
+        self._timeout = -1.0
+        self._aborted: Optional[str] = None
+        self._head = bytearray(HEADER_SIZE)
 
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
-
-    def _refuse(self, conn: socket.socket, reason: str) -> None:
-        with self.cv:
-            self.refusals.append(reason)
-            del self.refusals[:-16]
-            self.cv.notify_all()
-        log.warning("FTAR r%d/rank%d refused a connection: %s", self.ident.replica, self.ident.rank, reason)
+    def _read(self, want: ChunkHeader, dest: memoryview, timeout_s: float) -> None:
+        if self._aborted is not None:
+            raise RecoverableError(self.peer, f"aborted: {self._aborted}")
+        sock = self.sock
         try:
-            _send_msg(conn, {"ok": False, "error": reason})
-        except OSError:
-            pass
-        _close(conn)
-
-    def _handshake(self, conn: socket.socket) -> None:
-        me = self.ident
-        try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            hello = _recv_msg(conn)
-            who = f"replica {hello.get('replica')} rank {hello.get('rank')}"
-            epoch, index = int(hello["epoch"]), int(hello["index"])
-            if hello.get("job") != me.job:
-                return self._refuse(conn, f"{who}: job mismatch ({hello.get('job')!r} != {me.job!r})")
-            control = hello.get("purpose") == "abort"
-            if control and int(hello.get("replica", -1)) != me.replica:
-                return self._refuse(conn, f"{who}: only our own replica's leader may abort us")
-            if not control and int(hello.get("rank", -1)) != me.rank:
-                return self._refuse(conn, f"{who}: rank mismatch (ring of rank {me.rank})")
-            if not control and epoch < self.min_epoch:
-                return self._refuse(conn, f"{who}: stale epoch {epoch} < {self.min_epoch}")
-            nonce_a = os.urandom(16).hex()
-            _send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
-                             "mac": mac(me.secret, "acceptor", hello["nonce"], me.job, epoch, me.replica, me.rank)})
-            proof = _recv_msg(conn)
-            want = mac(me.secret, "dialer", nonce_a, me.job, epoch, hello["replica"], hello["rank"], index)
-            if proof.get("mac") != want:
-                return self._refuse(conn, f"{who}: authentication failed (wrong job secret)")
-            _send_msg(conn, {"ok": True})
-            if control:
-                _close(conn)
-                if self.on_abort is not None:
-                    self.on_abort(str(hello.get("reason", "aborted by the replica leader")), int(hello.get("ring", -1)))
-                return
-            conn.settimeout(None)
-            _tune(conn)
-            with self.cv:
-                if epoch < self.min_epoch or self.closed:
-                    _close(conn)
-                    return
-                _close(self.parked.pop((epoch, index), None))
-                self.parked[(epoch, index)] = conn
-                self.cv.notify_all()
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            self._refuse(conn, f"handshake failed: {type(e).__name__}: {e}")
-
-    def advance(self, epoch: int) -> None:
-        """Refuse and drop everything older than `epoch`."""
-        with self.cv:
-            self.min_epoch = max(self.min_epoch, epoch)
-            for key in [k for k in self.parked if k[0] < self.min_epoch]:
-                _close(self.parked.pop(key))
-
-    def take(self, epoch: int, index: int, deadline: float, aborted: threading.Event) -> socket.socket:
-        with self.cv:
-            while (epoch, index) not in self.parked:
-                left = deadline - time.monotonic()
-                if left <= 0 or aborted.is_set():
-                    why = "aborted" if aborted.is_set() else "timed out"
-                    last = f"; last refusal: {self.refusals[-1]}" if self.refusals else ""
-                    raise RecoverableError(f"ring index {index}", f"{why} waiting for the left neighbour to "
-                                                                  f"connect for epoch {epoch}{last}")
-                self.cv.wait(min(left, 0.05))
-            return self.parked.pop((epoch, index))
-
-    def close(self) -> None:
-        with self.cv:
-            self.closed = True
-            for s in self.parked.values():
-                _close(s)
-            self.parked.clear()
-            self.cv.notify_all()
-        _close(self.sock)
-
-
-class TcpTransport(Transport):
-    zero_copy = True
-
-    def __init__(self, ident: Identity, bind_host: str = "127.0.0.1") -> None:
-        self.ident = ident
-        self._listener = _Listener(ident, bind_host)
-        self.address = self._listener.address
-        self._recv_timeout = -1.0
-        self._left: Optional[socket.socket] = None
-        self._right: Optional[socket.socket] = None
-        self._left_name = self._right_name = ""
-        self._aborted = threading.Event()
-        self._abort_reason = ""
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._sender: Optional[threading.Thread] = None
-        self._send_error: Optional[BaseException] = None
-        self._posted = 0
-        self._done = 0
-        self._send_cv = threading.Condition()
-
-    @property
-    def refusals(self) -> list[str]:
-        return list(self._listener.refusals)
-
-    # -- setup ------------------------------------------------------------------------------------
-    def register(self, sendbuf: torch.Tensor, recvbuf: torch.Tensor, slot_bytes: int) -> None:
-        """TCP needs no registration: it reads and writes any host memory (zero_copy)."""
-
-    def connect(self, epoch: int, index: int, n: int, left: str, right: str, timeout_s: float) -> None:
-        self._teardown()
-        self._aborted.clear()
-        self._abort_reason = ""
-        self._listener.advance(epoch)
-        if n == 1:
-            return
-        deadline = time.monotonic() + timeout_s
-        self._right = self._dial(right, epoch, index, deadline)
-        self._right_name = right
-        self._left = self._listener.take(epoch, (index - 1) % n, deadline, self._aborted)
-        self._left_name = left
-        self._recv_timeout = -1.0
-        self._send_error = None
-        self._queue = queue.Queue()
-        self._posted = self._done = 0
-        self._sender = threading.Thread(target=self._send_loop, args=(self._right, self._queue),
-                                        name=f"ftar-send-r{self.ident.replica}", daemon=True)
-        self._sender.start()
-
-    def abort_peer(self, addr: str, reason: str, epoch: int, timeout_s: float = 1.0) -> None:
-        """Ask another rank of our replica (its FTAR listener at `addr`) to abort its
-        all-reduce of ring `epoch` now: the leader's eviction watch reaches every rank this way."""
-        # Independent of our own abort state: the leader forwards right after aborting itself.
-        _close(self._dial(addr, -1, -1, time.monotonic() + timeout_s,
-                          {"purpose": "abort", "reason": reason, "ring": epoch}, abortable=False))
-
-    def set_abort_handler(self, fn: Callable[[str, int], None]) -> None:
-        self._listener.on_abort = fn
-
-    def _dial(self, addr: str, epoch: int, index: int, deadline: float,
-              extra: Optional[dict] = None, abortable: bool = True) -> socket.socket:
-        host, port = addr.rsplit(":", 1)
-        me = self.ident
-        delay = 0.005
-        while True:
-            if abortable and self._aborted.is_set():
-                raise RecoverableError(addr, f"aborted: {self._abort_reason}")
-            sock = None
-            try:
-                sock = socket.create_connection((host, int(port)), timeout=max(0.05, deadline - time.monotonic()))
-                sock.settimeout(min(HANDSHAKE_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
-                nonce = os.urandom(16).hex()
-                _send_msg(sock, {"job": me.job, "epoch": epoch, "replica": me.replica, "rank": me.rank,
-                                 "index": index, "nonce": nonce, **(extra or {})})
-                reply = _recv_msg(sock)
-                if not reply.get("ok"):
-                    raise _Refused(reply.get("error", "refused"))
-                if reply.get("mac") != mac(me.secret, "acceptor", nonce, me.job, epoch, reply["replica"], reply["rank"]):
-                    raise _Refused("acceptor failed authentication (wrong job secret)")
-                _send_msg(sock, {"mac": mac(me.secret, "dialer", reply["nonce"], me.job, epoch, me.replica, me.rank,
-                                            index)})
-                final = _recv_msg(sock)
-                if not final.get("ok"):
-                    raise _Refused(final.get("error", "refused"))
-                sock.settimeout(None)
-                _tune(sock)
-                return sock
-            except _Refused as e:
-                _close(sock)
-                raise RecoverableError(addr, f"connection refused by the right neighbour: {e}") from None
-            except (OSError, ValueError, KeyError) as e:
-                _close(sock)
-                if time.monotonic() + delay > deadline:
-                    raise RecoverableError(addr, f"cannot connect to the right neighbour: {type(e).__name__}: {e}") \
-                        from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
-
-    # -- data -------------------------------------------------------------------------------------
-    def _send_loop(self, sock: socket.socket, q: "queue.Queue") -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            hdr, payload = item
-            try:
-                _sendall_vec(sock, hdr.pack(), payload)
-            except (OSError, ValueError) as e:
-                with self._send_cv:
-                    self._send_error = e
-                    self._send_cv.notify_all()
-                return
-            with self._send_cv:
-                self._done += 1
-                self._send_cv.notify_all()
-
-    def _check(self, peer: str) -> None:
-        if self._aborted.is_set():
-            raise RecoverableError(peer, f"aborted: {self._abort_reason}")
-
-    def send(self, hdr: ChunkHeader, src: memoryview) -> int:
-        self._check(self._right_name)
-        with self._send_cv:
-            if self._send_error is not None:
-                raise RecoverableError(self._right_name, f"send failed: {self._send_error}")
-            self._posted += 1
-            ticket = self._posted
-        self._queue.put((hdr, src))
-        return ticket
-
-    def wait_sent(self, ticket: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self._send_cv:
-            while self._done < ticket:
-                self._check(self._right_name)
-                if self._send_error is not None:
-                    raise RecoverableError(self._right_name, f"send failed: {self._send_error}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RecoverableError(self._right_name, f"timed out after {timeout_s:.1f}s sending a chunk "
-                                                             "(the right neighbour stopped reading)")
-                self._send_cv.wait(min(left, 0.05))
-
-    def recv(self, dest: Callable[[ChunkHeader], memoryview], timeout_s: float) -> ChunkHeader:
-        self._check(self._left_name)
-        sock = self._left
-        try:
-            if timeout_s != self._recv_timeout:
-                _set_timeout(sock, socket.SO_RCVTIMEO, timeout_s)
-                self._recv_timeout = timeout_s
+            if timeout_s != self._timeout:
+                set_kernel_timeout(sock, socket.SO_RCVTIMEO, timeout_s)
+                self._timeout = timeout_s
             deadline = time.monotonic() + timeout_s
-            head = bytearray(HEADER_SIZE)
-            _recv_all(sock, memoryview(head), deadline)
-            hdr = ChunkHeader.unpack(bytes(head))
+            # Header and payload in one syscall, straight into `dest`: the expected header
+            # says how long the payload is; any other header is an error anyway (fatal, or
+            # a FATAL record, whose sender shuts the stream down after it).
+            body = dest[:want.nbytes]
+            got = sock.recvmsg_into([self._head, body], 0, socket.MSG_WAITALL)[0]
+            if got == 0:
+                raise ConnectionResetError("peer closed the connection")
+            if got < HEADER_SIZE:
+                _recv_all(sock, memoryview(self._head)[got:], deadline)
+                got = HEADER_SIZE
+            hdr = ChunkHeader.unpack(bytes(self._head))
             if hdr.kind == KIND_FATAL:
-                msg = bytearray(hdr.nbytes)
-                _recv_all(sock, memoryview(msg), deadline)
-                raise FatalError(msg.decode(errors="replace"))
+                msg = bytes(body[:got - HEADER_SIZE])
+                raise FatalError((msg + _drain(sock, hdr.nbytes - len(msg))).decode(errors="replace"))
             if hdr.kind != KIND_DATA:
-                raise FatalError(f"bad chunk kind {hdr.kind} from the left neighbour {self._left_name}")
-            _recv_all(sock, dest(hdr)[:hdr.nbytes], deadline)
-            return hdr
+                raise FatalError(f"bad chunk kind {hdr.kind} from the {self.peer}")
+            if hdr != want:
+                self._mismatch(hdr, want)
+            if got < HEADER_SIZE + want.nbytes:
+                _recv_all(sock, body[got - HEADER_SIZE:], deadline)
         except (socket.timeout, BlockingIOError):
-            self._check(self._left_name)
-            raise RecoverableError(self._left_name, f"timed out after {timeout_s:.1f}s waiting for a chunk") from None
-        except (OSError, AttributeError) as e:
-            self._check(self._left_name)
-            raise RecoverableError(self._left_name, f"connection lost: {type(e).__name__}: {e}") from None
+            if self._aborted is not None:
+                raise RecoverableError(self.peer, f"aborted: {self._aborted}") from None
+            raise RecoverableError(self.peer, f"timed out after {timeout_s:.1f}s waiting for a chunk") from None
+        except OSError as e:
+            if self._aborted is not None:
+                raise RecoverableError(self.peer, f"aborted: {self._aborted}") from None
+            raise RecoverableError(self.peer, f"connection lost: {type(e).__name__}: {e}") from None
 
-    def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
-        if self._right is None or self._sender is None or not self._sender.is_alive():
-            return
-        raw = message.encode()[:4096]
-        fatal = ChunkHeader(KIND_FATAL, hdr.job, hdr.epoch, hdr.seq, hdr.partition, hdr.step, hdr.chunk, hdr.dtype,
-                            len(raw), hdr.total_numel)
-        self._queue.put((fatal, memoryview(raw)))
-        self._queue.put(None)
-        self._sender.join(1.0)
+    def recv(self, want: ChunkHeader, timeout_s: float) -> torch.Tensor:
+        self._read(want, self._views[want.chunk], timeout_s)
+        return self.payload[want.chunk]
 
-    # -- teardown ---------------------------------------------------------------------------------
+    def release(self, want: ChunkHeader) -> None:
+        """Private memory: nothing to give back."""
+
+    def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
+        self._read(want, byte_view(dest), timeout_s)
+
     def abort(self, reason: str) -> None:
-        self._abort_reason = reason
-        self._aborted.set()
-        for s in (self._left, self._right):
-            if s is not None:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        with self._send_cv:
-            self._send_cv.notify_all()
-
-    def _teardown(self) -> None:
-        if self._sender is not None:
-            self._queue.put(None)
-            _close(self._right)
-            self._sender.join(2.0)
-            self._sender = None
-        _close(self._left)
-        _close(self._right)
-        self._left = self._right = None
+        self._aborted = reason
+        shutdown(self.sock)
 
     def close(self) -> None:
-        self.abort("closed")
-        self._teardown()
-        self._listener.close()
-
-
-class _Refused(Exception):
-    pass
-
-
-def _sendall_vec(sock: socket.socket, head: bytes, payload: memoryview) -> None:
-    """sendall of head + payload with one syscall when the kernel takes it all."""
-    total = len(head) + len(payload)
-    sent = sock.sendmsg([head, payload])
-    while sent < total:
-        if sent < len(head):
-            sent += sock.sendmsg([head[sent:], payload])
-        else:
-            sock.sendall(payload[sent - len(head):])
-            return
+        close_socket(self.sock)
