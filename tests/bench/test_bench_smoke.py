@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run_bench(*args: str, timeout: float = 300) -> list[dict]:
     out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
@@ -43,12 +45,13 @@ def test_recovery_bench_quick_meets_its_stall_bounds():
     assert r["catchup_gbps"] > 0
 
 
+@pytest.mark.timeout(600)
 def test_overhead_bench_runs_ft_hsdp_and_ddp_side_by_side():
     rows = run_bench("lightning_ft.bench.overhead", "--steps", "14", "--warmup", "4", "--rounds", "1",
                      "--width", "64", "--depth", "2", "--batch", "16", timeout=400)
     final = rows[-1]
     assert final["bench"] == "overhead" and final["ft_step_s"] > 0 and final["ddp_step_s"] > 0
-    assert abs(final["ratio"] - final["ft_step_s"] / final["ddp_step_s"]) < 1e-3
+    assert abs(final["ratio"] - final["ft_step_s"] / final["ddp_step_s"]) < 3e-3  # both rounded
     assert {r["strategy"] for r in rows if r["bench"] == "overhead_round"} == {"ft", "ddp"}
 
 
@@ -75,7 +78,6 @@ def test_scale_bench_quick_prints_the_sweep_and_its_parts():
     assert addrs["ranks_per_replica"] == 256 and addrs["quorum_json_bytes"] > 3 * 2 * 256 * 15
 
 
-import pytest  # noqa: E402
 
 
 @pytest.mark.slow
