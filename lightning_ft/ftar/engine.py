@@ -183,7 +183,8 @@ class FTAR:
         self.transport.abort(reason)
 
     def _remote_abort(self, reason: str, epoch: int) -> None:
-        """An abort from our replica's leader, about the ring of `epoch`; older ones are stale."""
+        """An abort from our replica's leader or a job member, about the ring of `epoch`; older
+        ones are stale."""
         ring = self._ring
         if ring is not None and epoch < ring.epoch:
             log.info("ignoring a stale abort for epoch %d (ring is at %d): %s", epoch, ring.epoch, reason)
@@ -191,8 +192,8 @@ class FTAR:
         self.abort(reason)
 
     def abort_peer(self, address: str, reason: str, epoch: int, timeout_s: float = 1.0) -> None:
-        """Abort the FTAR of another rank of this replica (at `address`) if its ring is at
-        `epoch` or older."""
+        """Abort the FTAR at `address` (another rank of this replica, or a rank of another member
+        of the job) if its ring is at `epoch`; an endpoint already at a newer epoch ignores it."""
         self.transport.abort_peer(address, reason, epoch, timeout_s)
 
     @property

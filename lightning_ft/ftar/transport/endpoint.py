@@ -142,9 +142,10 @@ class Endpoint:
             epoch, index = int(hello["epoch"]), int(hello["index"])
             if hello.get("job") != me.job:
                 return self._refuse(conn, f"{who}: job mismatch ({hello.get('job')!r} != {me.job!r})")
+            # An abort may come from our replica's leader (a failure it saw), or from any member
+            # of the job going to a full round while we may be in a steady one; it proves the job
+            # secret like any connection, and an abort about an older epoch is ignored.
             control = hello.get("purpose") == "abort"
-            if control and int(hello.get("replica", -1)) != me.replica:
-                return self._refuse(conn, f"{who}: only our own replica's leader may abort us")
             if not control and int(hello.get("rank", -1)) != me.rank:
                 return self._refuse(conn, f"{who}: rank mismatch (ring of rank {me.rank})")
             if not control and epoch < self._min_epoch:
