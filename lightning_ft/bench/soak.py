@@ -156,6 +156,19 @@ def inject(job: Job, kind: str, rid: int, rng: random.Random, a: argparse.Namesp
     return True
 
 
+def plan_kinds(kinds: list[str], n: int, rng: random.Random) -> list[str]:
+    """The kinds of n faults: every kind at least once, whole-job kills about 1 in 20 (each
+    costs a full restart), the rest drawn uniformly from the others."""
+    cheap = [k for k in kinds if k != "job"] or ["kill"]
+    out = [k for k in kinds]  # each once
+    jobs = max(0, round(n / 20) - 1) if "job" in kinds else 0
+    out += ["job"] * jobs
+    out += [rng.choice(cheap) for _ in range(max(0, n - len(out)))]
+    first, rest = out[:1], out[1:]
+    rng.shuffle(rest)
+    return (first + rest)[:n] if n >= len(kinds) else rng.sample(out, n)
+
+
 def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
     """Stretches of at least hang_s with no committed step on any replica."""
     ts: list[float] = []
@@ -192,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     kinds = [k for k in a.kinds.split(",") if k]
     rng = random.Random(a.seed)
+    planned = plan_kinds(kinds, a.faults, rng)
     tmp = tempfile.mkdtemp(prefix="lft-soak-")
     run_dir = a.keep or os.path.join(tmp, "run")
     os.makedirs(run_dir, exist_ok=True)
@@ -215,11 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             if job.committed() >= a.steps - 50:
                 log("training is about to end before the faults are done; stopping early")
                 break
-            kind = rng.choice(kinds)
+            kind = planned[min(injected, len(planned) - 1)]
             if kind == "etcd" and job.etcd_down_since is not None:
                 kind = "kill"  # one etcd member down at a time (a 3-member cluster survives one)
-            if kind == "job" and injected + 1 < a.faults and rng.random() < 0.5:
-                kind = rng.choice([k for k in kinds if k != "job"] or ["kill"])  # whole-job kills are costly
             replica_kinds = [k for k in kinds if k in ("kill", "hang", "exception")] or ["kill"]
             if kind in replica_kinds and rng.random() < a.overlap and a.replicas > 1:
                 rids = rng.sample(range(a.replicas), 2)

@@ -93,7 +93,8 @@ def stall_around(rows: list[dict], t_event: float) -> float:
     return max(spanning) - statistics.median(dts)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+# W = 2 is the long one (FSDP2 start-up twice); it runs with `make test-slow`.
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_up(job_factory, world):
     args = ("--dim", "64", "--hidden", "256", "--depth", "3", "--batch", "8", "--ttl", "1", "--ftar-timeout", "5",
             "--init-timeout", "30", "--digest-every", "1", "--steps", "300" if world == 1 else "150",
@@ -156,6 +157,7 @@ def test_sigstopped_replica_is_excluded_then_catches_up_after_sigcont(job_factor
     assert_exactly_once(job)
 
 
+@pytest.mark.slow  # a performance check at 113 MB (about 2 minutes); bench.recovery measures the same rate
 def test_catchup_of_a_100mb_state_is_faster_than_a_step_and_does_not_slow_the_healthy(job_factory):
     # ~9.4M parameters + AdamW state: a 113 MB state per replica.
     args = ("--dim", "512", "--hidden", "2048", "--depth", "3", "--batch", "128", "--ttl", "2",

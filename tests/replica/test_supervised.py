@@ -3,6 +3,8 @@ the supervisor evicts and restarts, restarted replicas catch up, and the DESIGN 
 invariants hold at the end."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import sys
@@ -23,6 +25,7 @@ def rows_of(path: str) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # 230 steps with three failures; bench.soak's small run covers the mix in `make test`
 def test_supervised_job_survives_kill_hang_and_exception(etcd_endpoint, tmp_path):
     job = "s" + uuid.uuid4().hex[:8]
     # Failures far enough apart (~9 s) for a restarted replica (Python + torch start-up) to

@@ -3,6 +3,8 @@ do not block on storage, and a whole-job restart that is bitwise equal to an uni
 run, skipping a corrupted and a partial checkpoint with warnings that name them."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -135,6 +137,7 @@ def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
     assert finals[0]["digest"] == finals[1]["digest"] == clean.finals[0]["digest"]
 
 
+@pytest.mark.slow  # the baseline mode; bench.goodput runs it against ft_hsdp
 def test_restart_the_world_baseline_resumes_everyone_from_the_checkpoint(tmp_path, etcd_endpoint):
     """`--restart world` (the goodput baseline): a kill stops every replica; all restart from the
     newest checkpoint and redo the steps since; the result equals an uninterrupted run."""
