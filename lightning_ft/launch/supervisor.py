@@ -45,7 +45,7 @@ EXIT_TIMEOUT = 124
 """run() returns this when `timeout_s` passed (as timeout(1) does)."""
 EXIT_GAVE_UP = 1
 """run() returns this when every replica stopped and at least one was given up on."""
-EXIT_HALTED = 3
+EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
 """A replica exits with this, and run() returns it, when the job halted (lightning_ft.coord.keys.halt)."""
 HALT_GRACE_S = 10.0
 """After a halt, replicas still running this long (they learn it at their next round) are stopped."""
@@ -327,7 +327,7 @@ class Supervisor:
         if bad:
             rank, code = bad[0]
             self._event(rep, "exit", rank=rank, code=code, pid=rep.procs[rank].pid)
-            if code == EXIT_HALTED or self._read_halt():
+            if self._read_halt():  # the key decides: an exit code alone may be the program's own
                 self._on_halt(rep)
                 return
             reason = f"rank {rank} exited with {code}"

@@ -39,7 +39,7 @@ from lightning_ft.strategy.schedulers import CommittedSchedulers
 
 log = logging.getLogger(__name__)
 
-EXIT_HALTED = 3
+EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
 """Exit code of a replica when the job halted (every replica obeys; the launcher stops)."""
 
 

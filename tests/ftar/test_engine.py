@@ -287,14 +287,16 @@ def test_bad_arguments_are_fatal_at_once():
 
 def test_replica_leader_can_abort_another_rank_of_its_replica():
     # Two rings of rank 1 (replicas 0 and 1); the leader (rank 0) of replica 0 aborts its rank 1.
+    # Any member of the job may abort (steady rounds need it); a process without the job's
+    # secret may not.
     r1 = [FTAR("j", rid, 1, "s", chunk_bytes=1 << 12, num_chunks=2, timeout_s=30) for rid in range(2)]
     leader = FTAR("j", 0, 0, "s")
-    stranger = FTAR("j", 1, 0, "s")
+    stranger = FTAR("j", 1, 0, "not the job's secret")
     try:
         assert connect_all(r1) == {}
         w = r1[0].allreduce([torch.ones(1000)])  # replica 1's rank 1 never joins
         with pytest.raises(RecoverableError):
-            stranger.abort_peer(r1[0].address, "not my replica", 1, timeout_s=1)
+            stranger.abort_peer(r1[0].address, "not of this job", 1, timeout_s=1)
         assert not w.done()
         t0 = time.monotonic()
         leader.abort("replica 2 evicted: SIGKILL")  # the leader aborts itself first, then forwards

@@ -170,7 +170,8 @@ def test_sigkill_of_one_rank_evicts_with_the_signal(make, store):
 
 
 def test_max_restarts_gives_up(make, store):
-    sup = make("*:*:*=exit:3:0", replicas=1, nproc_per_replica=1, restart_delay_s=0.05, max_restarts=2)
+    sup = make("*:*:*=exit:3:0", replicas=1, nproc_per_replica=1, restart_delay_s=0.05, max_restarts=2,
+               crash_loop=10)  # the restart limit, not the crash-loop detector, stops it
     assert sup.run(timeout_s=20) == EXIT_GAVE_UP
     assert seq(events(make.run_dir)) == [
         ("start", 0), ("exit", 0), ("evict", 0), ("restart", 1), ("exit", 1), ("evict", 1),
