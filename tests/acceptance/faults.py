@@ -49,7 +49,8 @@ def run_with_faults(tmp_path, etcd_endpoint: str, script: str, *script_args: str
     try:
         deadline = time.monotonic() + timeout - 30
         # Faults only once every replica trains, somewhere in the first half of the run.
-        while time.monotonic() < deadline and min(_steps(run_dir, r) for r in range(replicas)) < 3:
+        while (time.monotonic() < deadline and proc.poll() is None
+               and min(_steps(run_dir, r) for r in range(replicas)) < 3):
             time.sleep(0.05)
         plan = []
         if kill:
