@@ -92,6 +92,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.mgr: Any = None
         self.sampler: Optional[FTBatchSampler] = None
         self._window: list[tuple[tuple[int, int], Any, int]] = []
+        self._position: Optional[tuple[int, int]] = None
         self._schedulers: Optional[CommittedSchedulers] = None
         self._ft_devices: Optional[list[torch.device]] = None
         self.committed_in_call = 0
@@ -334,7 +335,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def batch_position(self) -> Optional[tuple[int, int]]:
         """(slot batch k, micro-batch j) of the batch in training: which part of this replica's
         exactly-once stream it is (None outside a training batch)."""
-        return tuple(self._window[-1][0][:2]) if self._window else None
+        return self._position
 
     def _eval_loader(self, dataloader: DataLoader) -> DataLoader:
         """Validation/test loaders are sharded over the live replicas, then over ranks."""
@@ -403,6 +404,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
                               "loader must be the one the strategy installs (no custom data fetching)")
         self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
+        self._position = tuple(self._window[-1][0][:2])
         if self.overlap and self._pending is None and len(self._window) == self._micro_batches():
             # This batch's backward completes the step: run the quorum meanwhile and let the
             # gradient hooks start the exchange.

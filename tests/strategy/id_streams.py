@@ -166,7 +166,9 @@ def check_sample_ids(rows: list[dict], trained: dict[int, list[int]], world: int
                         rep.conflicts.append(key)
                     ids = list(sorted(got)[0])
                     if expected is not None:
-                        ref = refs.setdefault((slot, rank), expected(slot, rank))
+                        if (slot, rank) not in refs:
+                            refs[(slot, rank)] = expected(slot, rank)
+                        ref = refs[(slot, rank)]
                         want = ref[k * micro + j] if k * micro + j < len(ref) else None
                         if ids != want:
                             rep.mismatches.append((*key, ids, want))

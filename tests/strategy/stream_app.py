@@ -1,6 +1,6 @@
 """An unmodified Lightning program that trains from a stream loader under strategy="ft_hsdp".
 
-    stream_app.py KIND STEPS [--samples N] [--workers W] [--data DIR] [--step-sleep S]
+    stream_app.py KIND STEPS [--samples N] [--workers W] [--data DIR] [--step-sleep S] [--degraded-sleep S]
 
 KIND: torchdata | litdata | plain (see id_streams.make_loader). Every process prints one JSON
 line per training batch: {"event": "ids", "rid", "rank", "pos": [k, j], "ids": [...]}, where
@@ -39,6 +39,10 @@ class Model(L.LightningModule):
                           "ids": [int(i) for i in batch["id"]]}), flush=True)
         if self.a.step_sleep:
             time.sleep(self.a.step_sleep)
+        mgr = getattr(self.trainer.strategy, "mgr", None)
+        if self.a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
+                and len(mgr.last_plan.quorum.contributors) < mgr.R:
+            time.sleep(self.a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
         return loss
 
     def configure_optimizers(self):
@@ -56,6 +60,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--data", default="")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--degraded-sleep", type=float, default=0.0, help="sleep per step while replicas are missing")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     trainer = L.Trainer(strategy="ft_hsdp", accelerator="cpu", max_steps=a.steps, logger=False,

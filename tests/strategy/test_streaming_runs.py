@@ -14,7 +14,7 @@ from tests.strategy.id_streams import build_litdata, check_sample_ids, id_rows, 
 from tests.strategy.runs import lft_run, ok
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_app.py")
-N = 600  # ids; 3 slots x 40 steps x 4 stay within one pass of every process's part
+N = 600  # ids: 3 slots x 50 steps x 4 per batch, one pass of every process's part
 
 
 def assert_exact(run, kind: str, steps: int, replicas: int, why: str, workers: int, data: str = ""):
@@ -39,9 +39,9 @@ def litdata_dir(tmp_path_factory):
 
 
 def test_torchdata_stateful_loader_survives_a_random_kill_exactly_once_by_sample_id(tmp_path, etcd_endpoint):
-    steps = 40
+    steps = 50
     run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "torchdata", str(steps), "--samples", str(N),
-                                  "--workers", "2", "--step-sleep", "0.05", replicas=3, steps=steps, seed=5,
+                                  "--workers", "2", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=3, steps=steps, seed=5,
                                   kill=True)
     assert "kill replica" in faults, faults
     assert [e for e in run.events if e["event"] == "restart"], run.events
@@ -52,9 +52,9 @@ def test_torchdata_stateful_loader_survives_a_random_kill_exactly_once_by_sample
 
 def test_litdata_streaming_loader_survives_a_random_kill_exactly_once_by_sample_id(tmp_path, etcd_endpoint,
                                                                                      litdata_dir):
-    steps = 40
+    steps = 50
     run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "litdata", str(steps), "--data", litdata_dir,
-                                  "--workers", "1", "--step-sleep", "0.05", replicas=3, steps=steps, seed=6,
+                                  "--workers", "1", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=3, steps=steps, seed=6,
                                   kill=True)
     assert "kill replica" in faults, faults
     assert_exact(run, "litdata", steps, 3, faults, workers=1, data=litdata_dir)
