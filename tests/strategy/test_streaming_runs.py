@@ -72,7 +72,7 @@ def test_every_replica_down_at_once_rewinds_and_restores_every_loader_state_from
                   overrides=(ALL_DIE_AT_16, "checkpoint.every_n_steps=10", "data.state_every_n_steps=4"))
     rewinds = [e for e in run.events if e["event"] == "rewind"]
     assert len(rewinds) == 1 and rewinds[0]["to"] == 10, (rewinds, ok(run))
-    assert run.ledger.superseded > 0 and [r["to"] for r in run.ledger.rewinds] == [10], run.ledger
+    assert [r["to"] for r in run.ledger.rewinds] == [10], run.ledger
     assert_exact(run, "litdata", steps, 3, "rewind", workers=1, data=litdata_dir)
     # every slot resumed from the state pinned at the checkpoint's cursor, reading nothing forward
     for rid in range(3):
