@@ -44,12 +44,16 @@ FORMAT = 1
 _NAME = re.compile(r"^c(\d{12})(?:\.step(\d{12}))?\.pt$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class StateFile:
     cursor: int
     """The slot batch this state resumes at (the state after batch cursor-1)."""
     step: Optional[int] = None
     """The checkpoint step this state is pinned for (None: a rolling state)."""
+
+
+def _key(f: StateFile) -> tuple[int, int]:
+    return f.cursor, -1 if f.step is None else f.step
 
 
 def file_name(f: StateFile) -> str:
@@ -69,7 +73,7 @@ def parse_name(name: str) -> Optional[StateFile]:
 def pick(files: Iterable[StateFile], want: int) -> Optional[StateFile]:
     """The state to restore for cursor `want`: the newest at or below it (None: start fresh)."""
     best = [f for f in files if f.cursor <= want]
-    return max(best, key=lambda f: (f.cursor, f.step is not None)) if best else None
+    return max(best, key=_key) if best else None
 
 
 def to_prune(files: Iterable[StateFile], current: int, keep: int, pins: int) -> list[StateFile]:
@@ -77,7 +81,7 @@ def to_prune(files: Iterable[StateFile], current: int, keep: int, pins: int) -> 
     the newest `keep`, and pinned states except those of the newest `pins` checkpoint steps.
     Rolling states above `current` (a future a rewind discarded) stay: they are still valid."""
     files = list(files)
-    rolling = sorted((f for f in files if f.step is None and f.cursor <= current), reverse=True)
+    rolling = sorted((f for f in files if f.step is None and f.cursor <= current), key=_key, reverse=True)
     steps = sorted({f.step for f in files if f.step is not None}, reverse=True)[:max(0, pins)]
     pinned = [f for f in files if f.step is not None and f.step not in steps]
     return rolling[max(0, keep):] + pinned
@@ -120,7 +124,7 @@ class StateFiles:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return []
-        return sorted(f for f in map(parse_name, names) if f is not None)
+        return sorted((f for f in map(parse_name, names) if f is not None), key=_key)
 
     def save(self, f: StateFile, state: Any) -> str:
         os.makedirs(self.dir, exist_ok=True)

@@ -81,6 +81,8 @@ class StreamLoader:
         self._mem: dict[int, Any] = {}
         """cursor -> loader state that resumes there (taken in this process)."""
         self._saved: set[StateFile] = set()
+        self._pins: dict[int, Any] = {}
+        """cursor -> the states pinned at the last checkpoint steps (a rewind in this process needs no file)."""
         self._pristine = _pristine_state(loader) if self.stateful else None
         self._warned = False
         self.restores = 0
@@ -106,6 +108,10 @@ class StreamLoader:
             if f not in self._saved:
                 self._saved.add(f)
                 self.writer.submit(f, state)
+            if pin:
+                self._pins[cursor] = state
+                for old in sorted(self._pins)[:-2]:
+                    del self._pins[old]
         for k in [k for k in self._mem if k < cursor]:
             del self._mem[k]
         if len(self._saved) > 64:
@@ -160,16 +166,14 @@ class StreamLoader:
             self._pos = want
             return
         t0 = time.perf_counter()
-        have = [c for c in self._mem if c <= k]
-        if have:
-            c = max(have)
-            state, source = self._mem[c], "memory"
-        else:
-            found = self.files.newest_at_most(k) if self.files is not None else None
-            if found is not None:
-                c, state, source = found[0].cursor, found[1], found[0]
-            else:
-                c, state, source = 0, self._pristine, "the start"
+        mem = {**self._pins, **self._mem}
+        c = max((c for c in mem if c <= k), default=-1)
+        state, source = mem.get(c), f"the state kept in memory at slot batch {c}"
+        found = self.files.newest_at_most(k) if self.files is not None and c < k else None
+        if found is not None and found[0].cursor > c:
+            c, state, source = found[0].cursor, found[1], found[0]
+        if c < 0:
+            c, state, source = 0, self._pristine, "the start"
         self._it = None  # let the old iterator (and its workers) go before the restore starts new ones
         with litdata_world(self.loader, self.slot, self.rank, self.slots, self.world):
             self.loader.load_state_dict(copy.deepcopy(state))
@@ -197,7 +201,7 @@ class StreamLoader:
                          f"{self._pos - c * self.micro}/{skip} micro-batches read")
         self.restores += 1
         self.skipped += skip
-        if self.rank == 0 and (source != "memory" or skip):
+        if self.rank == 0 and (source != "the start" or skip):
             where = source if isinstance(source, str) else f"the state saved at slot batch {c}"
             self.say(f"lightning-ft: replica {self.slot}: train stream at slot batch {k}"
                      f"{'.' + str(j) if j else ''}: restored from {where}, skipped {skip} micro-batches "
