@@ -145,7 +145,8 @@ def check_sample_ids(rows: list[dict], trained: dict[int, list[int]], world: int
     slot -> batch indices), exactly once: each committed (slot, k) was delivered by each rank
     of that slot, every delivery of it carried the same ids (a restore resumed the stream at
     the same place), those are the ids an uninterrupted reading of the stream has there
-    (`expected`), and no id is trained twice."""
+    (`expected`), and no id is trained twice (size the run to stay within one pass of every
+    process's part: a second pass trains the same ids again, by design)."""
     seen: dict[tuple, set] = {}
     for r in rows:
         key = (int(r["rid"]), int(r["rank"]), int(r["pos"][0]), int(r["pos"][1]))

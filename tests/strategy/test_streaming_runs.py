@@ -17,7 +17,8 @@ APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_app.py")
 N = 600  # ids: 3 slots x 50 steps x 4 per batch, one pass of every process's part
 
 
-def assert_exact(run, kind: str, steps: int, replicas: int, why: str, workers: int, data: str = ""):
+def assert_exact(run, kind: str, steps: int, replicas: int, why: str, workers: int, data: str = "",
+                 world: int = 1, n: int = N):
     why = why + "\n" + ok(run)
     assert run.proc.returncode == 0, why
     assert {f["step"] for f in run.finals.values()} == {steps} and set(run.finals) == set(range(replicas)), why
@@ -25,11 +26,11 @@ def assert_exact(run, kind: str, steps: int, replicas: int, why: str, workers: i
     led = run.ledger
     assert led.ok and led.steps == steps, (led.duplicates, led.gaps, led.conflicts, why)
     longest = max(max(ks) + 1 for ks in led.trained.values())
-    rep = check_sample_ids(id_rows(run.run_dir), led.trained, world=1,
-                           expected=reference(kind, N, workers, replicas, 1, data, batches=longest))
+    rep = check_sample_ids(id_rows(run.run_dir), led.trained, world=world,
+                           expected=reference(kind, n, workers, replicas, world, data, batches=longest))
     print(rep)
     assert rep.ok, (str(rep), rep.duplicates[:10], rep.missing[:10], rep.conflicts[:10], rep.mismatches[:3], why)
-    assert rep.batches == sum(len(ks) for ks in led.trained.values()) and rep.samples == 4 * rep.batches
+    assert rep.batches == world * sum(len(ks) for ks in led.trained.values()) and rep.samples == 4 * rep.batches
     return rep
 
 
@@ -60,21 +61,44 @@ def test_litdata_streaming_loader_survives_a_random_kill_exactly_once_by_sample_
     assert_exact(run, "litdata", steps, 3, faults, workers=1, data=litdata_dir)
 
 
-ALL_DIE_AT_16 = ("failure.events=[{replica: 0, step: 16, kind: kill}, {replica: 1, step: 16, kind: kill}, "
-                 "{replica: 2, step: 16, kind: kill}]")
+ALL_DIE_AT_16 = "failure.events=[{replica: 0, step: 16, kind: kill}, {replica: 1, step: 16, kind: kill}]"
 
 
 def test_every_replica_down_at_once_rewinds_and_restores_every_loader_state_from_the_checkpoint(
         tmp_path, etcd_endpoint, litdata_dir):
     steps = 30
     run = lft_run(tmp_path, etcd_endpoint, "litdata", str(steps), "--data", litdata_dir, "--workers", "1",
-                  "--step-sleep", "0.02", replicas=3, script=APP,
+                  "--step-sleep", "0.02", replicas=2, script=APP,
                   overrides=(ALL_DIE_AT_16, "checkpoint.every_n_steps=10", "data.state_every_n_steps=4"))
     rewinds = [e for e in run.events if e["event"] == "rewind"]
     assert len(rewinds) == 1 and rewinds[0]["to"] == 10, (rewinds, ok(run))
     assert [r["to"] for r in run.ledger.rewinds] == [10], run.ledger
-    assert_exact(run, "litdata", steps, 3, "rewind", workers=1, data=litdata_dir)
+    assert_exact(run, "litdata", steps, 2, "rewind", workers=1, data=litdata_dir)
     # every slot resumed from the state pinned at the checkpoint's cursor, reading nothing forward
-    for rid in range(3):
+    for rid in range(2):
         log = run.log(rid, 1)
         assert "train stream at slot batch 10: restored from the state saved at slot batch 10, skipped 0" in log, log
+
+
+def test_a_plain_iterable_loader_is_refused_and_runs_at_least_once_when_allowed(tmp_path, etcd_endpoint):
+    refused = lft_run(tmp_path, etcd_endpoint, "plain", "4", replicas=1, script=APP,
+                      overrides=("supervisor.crash_loop=1",))
+    assert refused.proc.returncode != 0
+    log = refused.log(0, 0)
+    assert "FTHSDPError: ft_hsdp trains every batch exactly once" in log and "StatefulDataLoader" in log, ok(refused)
+    allowed = lft_run(tmp_path, etcd_endpoint, "plain", "4", replicas=1, script=APP,
+                      overrides=("data.exactly_once=false",))
+    assert allowed.proc.returncode == 0, ok(allowed)
+    assert "this stream trains AT-LEAST-ONCE" in allowed.log(0, 0), ok(allowed)
+    assert [r["ids"] for r in id_rows(allowed.run_dir)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                              [12, 13, 14, 15]]
+
+
+@pytest.mark.slow
+def test_two_ranks_per_replica_stay_in_step_through_a_kill_exactly_once_by_sample_id(tmp_path, etcd_endpoint):
+    steps, n = 40, 800  # 2 x 2 processes x 40 batches of 4 stay within one pass
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "torchdata", str(steps), "--samples", str(n),
+                                  "--workers", "1", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=2,
+                                  steps=steps, seed=8, kill=True, nproc=2)
+    assert "kill replica" in faults, faults
+    assert_exact(run, "torchdata", steps, 2, faults, workers=1, world=2, n=n)
