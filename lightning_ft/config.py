@@ -35,10 +35,10 @@ LR_INTERVENTIONS = ("none", "linear", "sqrt")
 TRANSPORTS = ("tcp", "rdma")
 """FTAR transports (DESIGN §4)."""
 FAILURE_KINDS = ("kill", "hang", "exception", "corrupt")
-DATA_SHARDS = ("processes", "slots")
-"""How a generic IterableDataset train stream is split (strategy/data_shards.py)."""
 """Injected failures: SIGKILL the replica, stop making progress, raise inside the training step,
 or flip a bit in one parameter (silent data corruption: the divergence guard must catch it)."""
+DATA_SHARDS = ("processes", "slots")
+"""How a generic IterableDataset train stream is split (strategy/data_shards.py)."""
 
 _OVERRIDE_RE = re.compile(r"^[A-Za-z_][\w.]*=")
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -85,7 +85,7 @@ def shard(loader: DataLoader, slot: int, rank: int, slots: int, world: int, mode
         from litdata.utilities.env import _DistributedEnv
 
         if not isinstance(ds, StreamingDataset):
-            raise TypeError(f"ft_hsdp splits litdata's StreamingDataset over slots and ranks; {type(ds).__name__} "
+            raise ValueError(f"ft_hsdp splits litdata's StreamingDataset over slots and ranks; {type(ds).__name__} "
                             "is not supported yet: train from one StreamingDataset")
         ds.distributed_env = _DistributedEnv(n, p, _litdata_nodes(n))
         return f"litdata StreamingDataset split natively: process {p} of {n}"

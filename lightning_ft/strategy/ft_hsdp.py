@@ -14,7 +14,8 @@ retries). This class only adapts Lightning's hooks to it:
 
 Side jobs live in their own modules: schedulers.py (schedulers stepped once per committed
 step), sharding.py (auto `fully_shard`), checkpoints.py (persistent checkpoints),
-runlog.py (steps.jsonl, final.json, metrics), sampler.py (the exactly-once batch sampler).
+runlog.py (steps.jsonl, final.json, metrics), sampler.py (the exactly-once batch sampler),
+streaming.py (stream loaders over an IterableDataset: split, loader states, resume).
 """
 from __future__ import annotations
 
@@ -326,7 +327,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self.sampler = stream_loader(dataloader, cfg=self.cfg, slot=self.rid, rank=self.global_rank,
                                          world=self.world_size, slots=self.num_replicas, micro=self._micro_batches(),
                                          cursor=lambda: self.mgr.cursor, state_root=loader_state_dir(self.cfg))
-        except (StreamDataError, TypeError, ValueError) as e:
+        except StreamDataError as e:
             raise FTHSDPError(str(e)) from None
         self._schedulers.steps_per_epoch = 0
         return self.sampler
@@ -334,7 +335,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @property
     def batch_position(self) -> Optional[tuple[int, int]]:
         """(slot batch k, micro-batch j) of the batch in training: which part of this replica's
-        exactly-once stream it is (None outside a training batch)."""
+        exactly-once stream it is (None before the first batch)."""
         return self._position
 
     def _eval_loader(self, dataloader: DataLoader) -> DataLoader:

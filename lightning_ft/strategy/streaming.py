@@ -231,7 +231,10 @@ def stream_loader(loader: DataLoader, *, cfg: Any, slot: int, rank: int, world: 
     """The strategy's train stream for a loader over an IterableDataset (see the module docstring)."""
     if not _stateful(loader) and cfg.data.exactly_once:
         raise StreamDataError(refusal(loader))
-    how = shard(loader, slot, rank, slots, world, str(cfg.data.shard))
+    try:
+        how = shard(loader, slot, rank, slots, world, str(cfg.data.shard))
+    except ValueError as e:
+        raise StreamDataError(str(e)) from None
     files = StateFiles(state_root, slot, rank, slots=slots, world=world, pins=int(cfg.checkpoint.keep) + 1)
 
     def say(msg: str) -> None:

@@ -80,18 +80,15 @@ def test_every_replica_down_at_once_rewinds_and_restores_every_loader_state_from
         assert "train stream at slot batch 10: restored from the state saved at slot batch 10, skipped 0" in log, log
 
 
-def test_a_plain_iterable_loader_is_refused_and_runs_at_least_once_when_allowed(tmp_path, etcd_endpoint):
+def test_a_plain_iterable_loader_is_refused_with_why_and_what_to_use(tmp_path, etcd_endpoint):
+    # (data.exactly_once=false, which trains it at-least-once, is tested in test_streaming.py)
     refused = lft_run(tmp_path, etcd_endpoint, "plain", "4", replicas=1, script=APP,
                       overrides=("supervisor.crash_loop=1",))
     assert refused.proc.returncode != 0
     log = refused.log(0, 0)
-    assert "FTHSDPError: ft_hsdp trains every batch exactly once" in log and "StatefulDataLoader" in log, ok(refused)
-    allowed = lft_run(tmp_path, etcd_endpoint, "plain", "4", replicas=1, script=APP,
-                      overrides=("data.exactly_once=false",))
-    assert allowed.proc.returncode == 0, ok(allowed)
-    assert "this stream trains AT-LEAST-ONCE" in allowed.log(0, 0), ok(allowed)
-    assert [r["ids"] for r in id_rows(allowed.run_dir)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
-                                                              [12, 13, 14, 15]]
+    assert "FTHSDPError: ft_hsdp trains every batch exactly once" in log, ok(refused)
+    assert "StatefulDataLoader" in log and "data.exactly_once=false" in log, ok(refused)
+    assert not id_rows(refused.run_dir)  # nothing trained
 
 
 @pytest.mark.slow
