@@ -64,12 +64,11 @@ class StreamLoader:
 
     def __init__(self, loader: Any, *, slot: int, rank: int, world: int, slots: int, micro: int,
                  cursor: Callable[[], int], files: Optional[StateFiles], state_every: int = 1,
-                 checkpoint_every: int = 0, exactly_once: bool = True, say: Callable[[str], None] = print) -> None:
+                 checkpoint_every: int = 0, say: Callable[[str], None] = print) -> None:
         self.loader, self.slot, self.rank, self.world, self.slots = loader, slot, rank, world, slots
         self.micro, self._cursor = micro, cursor
         self.stateful = _stateful(loader)
-        if not self.stateful and exactly_once:
-            raise StreamDataError(refusal(loader))
+        """False: at-least-once (`stream_loader` refuses such a loader unless data.exactly_once=false)."""
         self.files = files if self.stateful else None
         self.writer = StateWriter(files) if self.files is not None else None
         self.state_every, self.checkpoint_every = state_every, checkpoint_every
@@ -137,9 +136,10 @@ class StreamLoader:
                 batch = next(self._it)
             except StopIteration:  # the user loader's pass ended: start its next one
                 empty += 1
-                if empty > 2:
+                if empty > 2:  # one empty pass is normal: a state taken at the end of a pass resumes there
                     raise StreamDataError(f"slot {self.slot} rank {self.rank}: the train loader delivers no batch "
-                                          f"(two passes in a row were empty)") from None
+                                          f"(three passes in a row were empty): is this process's part of the "
+                                          f"stream empty?") from None
                 self._it = iter(self.loader)
                 continue
             empty = 0
@@ -242,8 +242,7 @@ def stream_loader(loader: DataLoader, *, cfg: Any, slot: int, rank: int, world: 
 
     out = StreamLoader(loader, slot=slot, rank=rank, world=world, slots=slots, micro=micro, cursor=cursor,
                        files=files, state_every=int(cfg.data.state_every_n_steps),
-                       checkpoint_every=int(cfg.checkpoint.every_n_steps), exactly_once=bool(cfg.data.exactly_once),
-                       say=say)
+                       checkpoint_every=int(cfg.checkpoint.every_n_steps), say=say)
     if rank == 0:
         if out.stateful:
             say(f"lightning-ft: replica {slot}: exactly-once train stream: {how}; loader states of "
