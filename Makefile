@@ -9,12 +9,20 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch first, pinned: it is the CPU build on local disk here; a looser spec could pull a
-# multi-GB CUDA build. Then the package with its extras.
+# multi-GB CUDA build. Then the package with its extras. litdata goes in without its
+# dependencies: it requires torchvision, which pip would bring as a CUDA build for a newer torch
+# (and a torchvision that does not match torch breaks `import lightning`); `data-core` holds the
+# rest of what it needs. The last line proves it: the pinned torch, no torchvision, imports work.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,triton]'
+	$(BIN)/pip install -q -e '.[dev,triton,data-core]'
+	$(BIN)/pip install -q --no-deps litdata==0.2.76
+	$(BIN)/python -c "import importlib.util as u, torch, lightning, litdata, torchdata; \
+	assert torch.__version__.startswith('2.13.0'), torch.__version__; \
+	assert u.find_spec('torchvision') is None, 'torchvision was installed'; \
+	print('venv: torch', torch.__version__, 'litdata', litdata.__version__, 'torchdata', torchdata.__version__, 'no torchvision')"
 	touch $(STAMP)
 
 test: venv

@@ -39,6 +39,8 @@ ends have a verbs device, tcp otherwise)."""
 FAILURE_KINDS = ("kill", "hang", "exception", "corrupt")
 """Injected failures: SIGKILL the replica, stop making progress, raise inside the training step,
 or flip a bit in one parameter (silent data corruption: the divergence guard must catch it)."""
+DATA_SHARDS = ("processes", "slots")
+"""How a generic IterableDataset train stream is split (strategy/data_shards.py)."""
 
 _OVERRIDE_RE = re.compile(r"^[A-Za-z_][\w.]*=")
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -175,6 +177,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class DataConfig:
+    """The train data stream (docs/ARCHITECTURE.md, "Exactly once: streams")."""
+
+    exactly_once: bool = True
+    """Refuse a train stream whose position cannot be saved (an IterableDataset loader without
+    state_dict()); false: train it at-least-once, and say so at start."""
+    shard: str = "processes"
+    """How an IterableDataset other than litdata's is split: "processes" (lightning-ft splits its
+    stream over all R*W processes; the dataset must not split by rank itself) or "slots" (over the R
+    replicas only; the dataset splits over the replica's ranks itself, as under DDP)."""
+    state_every_n_steps: int = 1
+    """Save each rank's loader state every N committed steps (and at checkpoint steps); a restart
+    restores the newest and reads forward the rest. 0 = at checkpoint steps only."""
+    state_dir: str = ""
+    """Loader-state files; "" = {checkpoint dir}/loader_state. Every replica must reach it."""
+
+
+@dataclass
 class FailureEvent:
     """One scheduled failure injection."""
 
@@ -243,6 +263,8 @@ class FTConfig:
     """Persistent checkpoints."""
     failure: FailureConfig = field(default_factory=FailureConfig)
     """Failure injection."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The train data stream."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +363,11 @@ def checkpoint_dir(cfg: Any) -> str:
     return str(cfg.checkpoint.dir) or os.path.join(str(cfg.run_dir), "checkpoints")
 
 
+def loader_state_dir(cfg: Any) -> str:
+    """`data.state_dir`, or {checkpoint dir}/loader_state when it is empty."""
+    return str(cfg.data.state_dir) or os.path.join(checkpoint_dir(cfg), "loader_state")
+
+
 # --------------------------------------------------------------------------------------------
 # Validation (ranges and enum-like strings)
 # --------------------------------------------------------------------------------------------
@@ -420,6 +447,8 @@ def validate(cfg: Any) -> None:
         bad("failure.kinds", list(fl.kinds), "must name at least one kind when failure.mtbf_steps > 0")
     at_least("failure.restart_delay_s", fl.restart_delay_s, 0)
     at_least("failure.seed", fl.seed, 0)
+    choice("data.shard", cfg.data.shard, DATA_SHARDS)
+    at_least("data.state_every_n_steps", cfg.data.state_every_n_steps, 0)
 
     if problems:
         head = "invalid config: " if len(problems) == 1 else "invalid config:\n  "

@@ -14,7 +14,8 @@ retries). This class only adapts Lightning's hooks to it:
 
 Side jobs live in their own modules: schedulers.py (schedulers stepped once per committed
 step), sharding.py (auto `fully_shard`), checkpoints.py (persistent checkpoints),
-runlog.py (steps.jsonl, final.json, metrics), sampler.py (the exactly-once batch sampler).
+runlog.py (steps.jsonl, final.json, metrics), sampler.py (the exactly-once batch sampler),
+streaming.py (stream loaders over an IterableDataset: split, loader states, resume).
 """
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.mgr: Any = None
         self.sampler: Optional[FTBatchSampler] = None
         self._window: list[tuple[tuple[int, int], Any, int]] = []
+        self._position: Optional[tuple[int, int]] = None
         self._schedulers: Optional[CommittedSchedulers] = None
         self._ft_devices: Optional[list[torch.device]] = None
         self.committed_in_call = 0
@@ -283,6 +285,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.committed_in_call += 1
         if self._schedulers is not None:
             self._schedulers.committed(self.mgr.step)
+        if hasattr(self.sampler, "committed"):  # a stream loader records its state at the new cursor
+            self.sampler.committed(self.mgr.step, self.mgr.cursor)
 
     # -- data: exactly-once batches -----------------------------------------------------------------
     @override
@@ -293,8 +297,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if not trainer.training:
             return self._eval_loader(dataloader)
         if isinstance(dataloader.dataset, IterableDataset):
-            raise FTHSDPError("ft_hsdp trains every batch exactly once by sample index, so the train dataset must be "
-                              "map-style (__getitem__ and __len__), not an IterableDataset")
+            return self._stream_loader(dataloader)
         bs = dataloader.batch_size
         if bs is None:
             raise FTHSDPError("the train DataLoader must set batch_size (per process); ft_hsdp builds the batches")
@@ -312,6 +315,28 @@ class FTHSDPStrategy(ModelParallelStrategy):
                           worker_init_fn=dataloader.worker_init_fn,
                           persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
                           multiprocessing_context=dataloader.multiprocessing_context)
+
+    def _stream_loader(self, dataloader: DataLoader) -> object:
+        """A train stream (stateful loaders over an IterableDataset): strategy/streaming.py."""
+        from lightning_ft.config import loader_state_dir
+        from lightning_ft.strategy.streaming import StreamDataError, stream_loader
+
+        if hasattr(self.sampler, "close"):
+            self.sampler.close()
+        try:
+            self.sampler = stream_loader(dataloader, cfg=self.cfg, slot=self.rid, rank=self.global_rank,
+                                         world=self.world_size, slots=self.num_replicas, micro=self._micro_batches(),
+                                         cursor=lambda: self.mgr.cursor, state_root=loader_state_dir(self.cfg))
+        except StreamDataError as e:
+            raise FTHSDPError(str(e)) from None
+        self._schedulers.steps_per_epoch = 0
+        return self.sampler
+
+    @property
+    def batch_position(self) -> Optional[tuple[int, int]]:
+        """(slot batch k, micro-batch j) of the batch in training: which part of this replica's
+        exactly-once stream it is (None before the first batch)."""
+        return self._position
 
     def _eval_loader(self, dataloader: DataLoader) -> DataLoader:
         """Validation/test loaders are sharded over the live replicas, then over ranks."""
@@ -380,6 +405,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
                               "loader must be the one the strategy installs (no custom data fetching)")
         self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
+        self._position = tuple(self._window[-1][0][:2])
         if self.overlap and self._pending is None and len(self._window) == self._micro_batches():
             # This batch's backward completes the step: run the quorum meanwhile and let the
             # gradient hooks start the exchange.
@@ -561,6 +587,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             write_final(self.mgr, self.lightning_module, self.optimizers[0], self.global_rank, self.recomputes)
 
     def _close(self) -> None:
+        if hasattr(self.sampler, "close"):
+            self.sampler.close()  # the last loader states reach their files
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None

@@ -36,12 +36,12 @@ def _steps(run_dir: str, rid: int) -> int:
 
 def run_with_faults(tmp_path, etcd_endpoint: str, script: str, *script_args: str, replicas: int = 3,
                     steps: int = 60, seed: int = 0, kill: bool = True, stop_s: float = 0.0,
-                    overrides: tuple[str, ...] = (), timeout: float = 300) -> tuple[Run, str]:
+                    overrides: tuple[str, ...] = (), timeout: float = 300, nproc: int = 1) -> tuple[Run, str]:
     """Returns the run and a description of the faults (for assertion messages)."""
     rng = random.Random(seed)
     job = "acc" + uuid.uuid4().hex[:8]
     run_dir = str(tmp_path / job)
-    cmd = lft_cmd(run_dir, job, etcd_endpoint, *script_args, replicas=replicas, overrides=overrides,
+    cmd = lft_cmd(run_dir, job, etcd_endpoint, *script_args, replicas=replicas, nproc=nproc, overrides=overrides,
                   timeout=timeout, script=script)
     log = open(os.path.join(str(tmp_path), f"{job}.out"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -49,7 +49,8 @@ def run_with_faults(tmp_path, etcd_endpoint: str, script: str, *script_args: str
     try:
         deadline = time.monotonic() + timeout - 30
         # Faults only once every replica trains, somewhere in the first half of the run.
-        while time.monotonic() < deadline and min(_steps(run_dir, r) for r in range(replicas)) < 3:
+        while (time.monotonic() < deadline and proc.poll() is None
+               and min(_steps(run_dir, r) for r in range(replicas)) < 3):
             time.sleep(0.05)
         plan = []
         if kill:
