@@ -11,11 +11,18 @@ Handshake (length-prefixed JSON), mutual proof of the job secret:
   acceptor -> dialer  {ok, replica, rank, nonce_a, mac = HMAC("acceptor", nonce_d, job, epoch, ...)} | {error}
   dialer -> acceptor  {mac = HMAC("dialer", nonce_a, job, epoch, replica, rank, index)}
   acceptor -> dialer  {ok} | {error}
-A wrong job, secret, rank or a stale epoch is refused with the reason; accepted sockets are
+A peer that fails to prove the secret (which also covers another job: the MACs name the
+job) is told only "authentication failed"; the acceptor logs why. A wrong rank or a stale
+epoch is refused with the reason once the peer has authenticated. Accepted sockets are
 parked by (epoch, index) until `connect` for that epoch takes them.
+
+Caps: handshake messages of at most HANDSHAKE_MAX_BYTES, a whole handshake within
+HANDSHAKE_TIMEOUT_S, at most MAX_HANDSHAKES handshakes at once (more connections are
+closed at once), FATAL messages of at most FATAL_MAX_BYTES. MACs compare in constant time.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -35,6 +42,11 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 HANDSHAKE_TIMEOUT_S = 5.0
+"""A whole handshake (every message of it) must complete within this."""
+HANDSHAKE_MAX_BYTES = 4096
+MAX_HANDSHAKES = 32
+"""Handshakes in progress at once on one listener; further connections are closed unread."""
+FATAL_MAX_BYTES = 4096
 
 
 def _send_msg(sock: socket.socket, obj: dict) -> None:
@@ -42,23 +54,36 @@ def _send_msg(sock: socket.socket, obj: dict) -> None:
     sock.sendall(_LEN.pack(len(raw)) + raw)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"handshake not complete within {HANDSHAKE_TIMEOUT_S:g} s")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise socket.timeout(f"handshake not complete within {HANDSHAKE_TIMEOUT_S:g} s") from None
         if k == 0:
             raise ConnectionResetError("peer closed the connection")
         got += k
     return bytes(buf)
 
 
-def _recv_msg(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > 1 << 16:
-        raise ConnectionError(f"handshake message too large ({n} bytes)")
-    return json.loads(_recv_exact(sock, n))
+def _recv_msg(sock: socket.socket, deadline: Optional[float] = None) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    if n > HANDSHAKE_MAX_BYTES:
+        raise ConnectionError(f"handshake message too large ({n} bytes, limit {HANDSHAKE_MAX_BYTES})")
+    msg = json.loads(_recv_exact(sock, n, deadline))
+    if not isinstance(msg, dict):
+        raise ValueError("handshake message is not a JSON object")
+    return msg
 
 
 def _set_timeout(sock: socket.socket, opt: int, seconds: float) -> None:
@@ -117,51 +142,71 @@ class _Listener:
         self.closed = False
         self.on_abort: Optional[Callable[[str, int], None]] = None
         """Called with (reason, ring epoch) when our replica's leader asks us to abort (abort_peer)."""
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         threading.Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
 
     def _accept_loop(self) -> None:
         while not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
+            if not self._slots.acquire(blocking=False):  # a connection flood: keep serving the ones we have
+                self._note(f"{peer[0]}: more than {MAX_HANDSHAKES} handshakes at once; connection closed")
+                _close(conn)
+                continue
+            threading.Thread(target=self._handshake_slot, args=(conn,), daemon=True).start()
 
-    def _refuse(self, conn: socket.socket, reason: str) -> None:
+    def _handshake_slot(self, conn: socket.socket) -> None:
+        try:
+            self._handshake(conn)
+        finally:
+            self._slots.release()
+
+    def _note(self, reason: str) -> None:
         with self.cv:
             self.refusals.append(reason)
             del self.refusals[:-16]
             self.cv.notify_all()
         log.warning("FTAR r%d/rank%d refused a connection: %s", self.ident.replica, self.ident.rank, reason)
+
+    def _refuse(self, conn: socket.socket, reason: str, told: str = "") -> None:
+        """Refuse with `reason` in our log; the peer is told `told` (default: the reason, for
+        an authenticated peer)."""
+        self._note(reason)
         try:
-            _send_msg(conn, {"ok": False, "error": reason})
+            _send_msg(conn, {"ok": False, "error": told or reason})
         except OSError:
             pass
         _close(conn)
 
     def _handshake(self, conn: socket.socket) -> None:
         me = self.ident
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        who = "a peer"
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            hello = _recv_msg(conn)
-            who = f"replica {hello.get('replica')} rank {hello.get('rank')}"
-            epoch, index = int(hello["epoch"]), int(hello["index"])
+            hello = _recv_msg(conn, deadline)
+            who = f"replica {hello.get('replica')!r} rank {hello.get('rank')!r} of job {str(hello.get('job'))[:64]!r}"
             if hello.get("job") != me.job:
-                return self._refuse(conn, f"{who}: job mismatch ({hello.get('job')!r} != {me.job!r})")
+                who += f" (job mismatch: we are {me.job!r})"
+            epoch, index = int(hello["epoch"]), int(hello["index"])
+            replica, rank, nonce_d = int(hello["replica"]), int(hello["rank"]), str(hello["nonce"])
             control = hello.get("purpose") == "abort"
-            if control and int(hello.get("replica", -1)) != me.replica:
+            nonce_a = os.urandom(16).hex()
+            _send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
+                             "mac": mac(me.secret, "acceptor", nonce_d, me.job, epoch, me.replica, me.rank)})
+            proof = _recv_msg(conn, deadline)
+            want = mac(me.secret, "dialer", nonce_a, me.job, epoch, replica, rank, index)
+            if not hmac.compare_digest(want.encode(), str(proof.get("mac", "")).encode()):
+                why = "" if hello.get("job") != me.job else " (wrong job secret)"
+                return self._refuse(conn, f"{who}: authentication failed{why}", told="authentication failed")
+            # authenticated: from here on the peer may learn why we refuse it
+            if control and replica != me.replica:
                 return self._refuse(conn, f"{who}: only our own replica's leader may abort us")
-            if not control and int(hello.get("rank", -1)) != me.rank:
+            if not control and rank != me.rank:
                 return self._refuse(conn, f"{who}: rank mismatch (ring of rank {me.rank})")
             if not control and epoch < self.min_epoch:
                 return self._refuse(conn, f"{who}: stale epoch {epoch} < {self.min_epoch}")
-            nonce_a = os.urandom(16).hex()
-            _send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
-                             "mac": mac(me.secret, "acceptor", hello["nonce"], me.job, epoch, me.replica, me.rank)})
-            proof = _recv_msg(conn)
-            want = mac(me.secret, "dialer", nonce_a, me.job, epoch, hello["replica"], hello["rank"], index)
-            if proof.get("mac") != want:
-                return self._refuse(conn, f"{who}: authentication failed (wrong job secret)")
             _send_msg(conn, {"ok": True})
             if control:
                 _close(conn)
@@ -177,8 +222,8 @@ class _Listener:
                 _close(self.parked.pop((epoch, index), None))
                 self.parked[(epoch, index)] = conn
                 self.cv.notify_all()
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            self._refuse(conn, f"handshake failed: {type(e).__name__}: {e}")
+        except (OSError, ValueError, KeyError, TypeError) as e:  # before authentication: say nothing
+            self._refuse(conn, f"{who}: handshake failed: {type(e).__name__}: {e}", told="authentication failed")
 
     def advance(self, epoch: int) -> None:
         """Refuse and drop everything older than `epoch`."""
@@ -247,7 +292,10 @@ class TcpTransport(Transport):
         deadline = time.monotonic() + timeout_s
         self._right = self._dial(right, epoch, index, deadline)
         self._right_name = right
-        self._left = self._listener.take(epoch, (index - 1) % n, deadline, self._aborted)
+        try:
+            self._left = self._listener.take(epoch, (index - 1) % n, deadline, self._aborted)
+        except RecoverableError as e:  # name the neighbour that did not come, so that the quorum can blame it
+            raise RecoverableError(left, e.reason) from None
         self._left_name = left
         self._recv_timeout = -1.0
         self._send_error = None
@@ -282,14 +330,16 @@ class TcpTransport(Transport):
                 nonce = os.urandom(16).hex()
                 _send_msg(sock, {"job": me.job, "epoch": epoch, "replica": me.replica, "rank": me.rank,
                                  "index": index, "nonce": nonce, **(extra or {})})
-                reply = _recv_msg(sock)
+                hs_deadline = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+                reply = _recv_msg(sock, hs_deadline)
                 if not reply.get("ok"):
-                    raise _Refused(reply.get("error", "refused"))
-                if reply.get("mac") != mac(me.secret, "acceptor", nonce, me.job, epoch, reply["replica"], reply["rank"]):
-                    raise _Refused("acceptor failed authentication (wrong job secret)")
+                    raise _Refused(str(reply.get("error", "refused"))[:512])
+                want = mac(me.secret, "acceptor", nonce, me.job, epoch, reply["replica"], reply["rank"])
+                if not hmac.compare_digest(want.encode(), str(reply.get("mac", "")).encode()):
+                    raise _Refused("the acceptor failed authentication (another job, or a wrong job secret)")
                 _send_msg(sock, {"mac": mac(me.secret, "dialer", reply["nonce"], me.job, epoch, me.replica, me.rank,
                                             index)})
-                final = _recv_msg(sock)
+                final = _recv_msg(sock, hs_deadline)
                 if not final.get("ok"):
                     raise _Refused(final.get("error", "refused"))
                 sock.settimeout(None)
@@ -362,10 +412,11 @@ class TcpTransport(Transport):
             head = bytearray(HEADER_SIZE)
             _recv_all(sock, memoryview(head), deadline)
             hdr = ChunkHeader.unpack(bytes(head))
-            if hdr.kind == KIND_FATAL:
-                msg = bytearray(hdr.nbytes)
+            if hdr.kind == KIND_FATAL:  # never allocate what a header claims beyond the cap
+                msg = bytearray(min(hdr.nbytes, FATAL_MAX_BYTES))
                 _recv_all(sock, memoryview(msg), deadline)
-                raise FatalError(msg.decode(errors="replace"))
+                cut = f" [{hdr.nbytes - len(msg)} more bytes not read]" if hdr.nbytes > len(msg) else ""
+                raise FatalError(msg.decode(errors="replace") + cut)
             if hdr.kind != KIND_DATA:
                 raise FatalError(f"bad chunk kind {hdr.kind} from the left neighbour {self._left_name}")
             _recv_all(sock, dest(hdr)[:hdr.nbytes], deadline)
@@ -380,7 +431,7 @@ class TcpTransport(Transport):
     def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
         if self._right is None or self._sender is None or not self._sender.is_alive():
             return
-        raw = message.encode()[:4096]
+        raw = message.encode()[:FATAL_MAX_BYTES]
         fatal = ChunkHeader(KIND_FATAL, hdr.job, hdr.epoch, hdr.seq, hdr.partition, hdr.step, hdr.chunk, hdr.dtype,
                             len(raw), hdr.total_numel)
         self._queue.put((fatal, memoryview(raw)))
