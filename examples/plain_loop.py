@@ -161,10 +161,14 @@ def main(argv: list[str]) -> int:
     pg = None
     model = build_model(a)
     if world > 1:
-        # env:// (torchrun's agent store when torchrun started us; srun: the address renv derived)
-        os.environ.setdefault("MASTER_ADDR", renv.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(renv.master_port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if renv.launcher == "torchrun":
+            from lightning_ft.launch.environment import init_torchrun_group
+
+            init_torchrun_group(renv, "gloo")
+        else:  # env://, at the replica's own address (srun: the one renv derived)
+            os.environ.setdefault("MASTER_ADDR", renv.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(renv.master_port))
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         pg = dist.group.WORLD
         from torch.distributed.fsdp import fully_shard
 

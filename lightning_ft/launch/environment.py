@@ -2,7 +2,8 @@
 "Launchers"): `lightning-ft run`, torchrun, srun, or any launcher that sets our variables.
 
 Pure: `replica_env(environ)` maps an environment to a `ReplicaEnv`; `replica_variables`
-is the inverse, what `lightning-ft env` prints for one replica. The Lightning strategy
+is the inverse, what `lightning-ft env` prints for one replica. One I/O function,
+`init_torchrun_group`, works around how torchrun restarts a replica's process group. The Lightning strategy
 (through `strategy/environment.py`), `examples/plain_loop.py` and the launcher all use it,
 so nothing else reads launcher variables.
 
@@ -108,6 +109,23 @@ def replica_env(env: Mapping[str, str]) -> ReplicaEnv:
                       rank=rank, local_rank=local, world_size=world, master_addr=addr, master_port=port,
                       run_dir=env.get("LFT_RUN_DIR", ""), run_id=run_id, config=env.get("LFT_CONFIG", ""),
                       launcher=launcher)
+
+
+def init_torchrun_group(env: ReplicaEnv, backend: str, timeout_s: float = 1800.0) -> None:
+    """The replica's default process group under torchrun (the one I/O function here).
+
+    torchrun's agent keeps one store across the restarts it makes, and a restarted rank can
+    read what its peer published in the previous attempt (measured with torch 2.13: a rank 1
+    that started before rank 0 dialed rank 0's old gloo address and failed, so every restart
+    failed). Each incarnation therefore rendezvous under its own prefix of the agent's store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/lightning-ft/incarnation_{env.incarnation}", store),
+                            rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def slurm_port(job_id: int, rid: int) -> int:

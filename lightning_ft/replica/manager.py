@@ -166,7 +166,8 @@ class ReplicaManager:
         self.quorum_timeout_s = quorum_timeout_s
         fp = dict(fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
         # What this process really uses, whatever the config said, and what no config holds.
-        fp.update(chunk_bytes=chunk_bytes, num_chunks=num_chunks, lr_intervention=lr_intervention,
+        fp.update(job=job, replicas=num_replicas, nproc_per_replica=world, chunk_bytes=chunk_bytes,
+                  num_chunks=num_chunks, lr_intervention=lr_intervention,
                   secret_tag=secret_tag(secret, job), params=param_layout(self._named_params))
         self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp)
         self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)

@@ -151,6 +151,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._secret = resolve(self.cfg.secret)
         except SecretError as e:
             raise FTHSDPError(f"strategy='ft_hsdp', replica {self.rid}: {e}") from None
+        if self._renv.launcher == "torchrun" and not dist.is_initialized():  # Lightning then keeps this group
+            from lightning_ft.launch.environment import init_torchrun_group
+
+            init_torchrun_group(self._renv, self._get_process_group_backend(),
+                                self._timeout.total_seconds() if self._timeout else 1800.0)
         super().setup_environment()
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
             self._fit_started = True
