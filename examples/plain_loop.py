@@ -1,8 +1,8 @@
 """A plain torch training loop on the framework-free replica core (DESIGN §5-§7).
 
-Launched once per rank, by `lightning-ft`'s supervisor or a test, with the environment of
-DESIGN §9 (LFT_JOB, LFT_REPLICA_ID, LFT_NUM_REPLICAS, LFT_ETCD, LFT_SECRET, LFT_INCARNATION,
-RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). With WORLD_SIZE > 1 the replica runs FSDP2
+Launched once per rank, by `lightning-ft run`, torchrun, srun or a test, with the
+environment of DESIGN §9 (see lightning_ft/launch/environment.py; the secret from
+LFT_SECRET_FILE or LFT_SECRET). Addresses come from the config's `network.*` (LFT_CONFIG). With WORLD_SIZE > 1 the replica runs FSDP2
 (`fully_shard`) over gloo, and FTAR exchanges each rank's gradient shard.
 
 The model is an MLP regressing a fixed random teacher on deterministic synthetic data; the
@@ -52,6 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ttl", type=float, default=3.0)
     p.add_argument("--ftar-timeout", type=float, default=5.0)
     p.add_argument("--init-timeout", type=float, default=10.0)
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="FTAR chunk size (every replica: the same)")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--replicas", type=int, default=0, help="reference mode: number of slots")
     p.add_argument("--world", type=int, default=1, help="reference mode: ranks per replica")
@@ -147,16 +148,27 @@ def main(argv: list[str]) -> int:
     from lightning_ft.coord.coordinator import JobFinished
     from lightning_ft.replica.manager import ReplicaManager
 
+    from lightning_ft import secret
+    from lightning_ft.config import load_config
+    from lightning_ft.launch.environment import replica_env
+
     env = os.environ
-    rid, R = int(env["LFT_REPLICA_ID"]), int(env["LFT_NUM_REPLICAS"])
-    inc = int(env.get("LFT_INCARNATION", "0"))
-    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    renv = replica_env(env)  # lightning-ft run, torchrun or srun (launch/environment.py)
+    cfg = load_config(renv.config or None)
+    rid, R, inc, rank, world = renv.replica_id, renv.num_replicas, renv.incarnation, renv.rank, renv.world_size
     torch.set_num_threads(1)
     # Slow init first (DESIGN §6): model, data, process group; register only afterwards.
     pg = None
     model = build_model(a)
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if renv.launcher == "torchrun":
+            from lightning_ft.launch.environment import init_torchrun_group
+
+            init_torchrun_group(renv, "gloo")
+        else:  # env://, at the replica's own address (srun: the one renv derived)
+            os.environ.setdefault("MASTER_ADDR", renv.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(renv.master_port))
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         pg = dist.group.WORLD
         from torch.distributed.fsdp import fully_shard
 
@@ -167,18 +179,19 @@ def main(argv: list[str]) -> int:
     opt = build_optimizer(a, model)
     data = Data(a)
     stream = SlotStream(a.samples, a.batch, R, seed=a.seed)
-    mgr = ReplicaManager(model, opt, job=env["LFT_JOB"], rid=rid, incarnation=inc, num_replicas=R,
-                         secret=env.get("LFT_SECRET", "lft"), etcd=env["LFT_ETCD"], rank=rank, world=world, pg=pg,
+    mgr = ReplicaManager(model, opt, job=renv.job, rid=rid, incarnation=inc, num_replicas=R,
+                         secret=secret.resolve(cfg.secret), etcd=renv.etcd, rank=rank, world=world, pg=pg,
                          lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
-                         lr_intervention=a.lr_mode, chunk_bytes=1 << 20, num_chunks=4, digest_every=a.digest_every,
-                         run_dir=env.get("LFT_RUN_DIR", ""))
+                         ftar_connect_timeout_s=cfg.ftar.connect_timeout_s,
+                         lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4, digest_every=a.digest_every,
+                         run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
+                         advertise_host=cfg.network.advertise_host)
     mgr.start()
     schedule = parse_failures(a.failures, R)
-    if env.get("LFT_CONFIG"):  # launched by `lightning-ft run`: failures come from the job config
-        from lightning_ft.config import load_config
+    if renv.config:  # launched by `lightning-ft run`: failures come from the job config
         from lightning_ft.launch.failure import FailureSchedule
 
-        cfg_sched = FailureSchedule.from_config(load_config(env["LFT_CONFIG"]).failure, R)
+        cfg_sched = FailureSchedule.from_config(cfg.failure, R)
         schedule = FailureSchedule(schedule.events() + cfg_sched.events(), replicas=R)
     leader = rank == 0
     if leader:
@@ -248,6 +261,7 @@ def main(argv: list[str]) -> int:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
             mgr.run_step(compute)
+        mgr.mark_finished()  # a replica restarted from now on finds nothing to train (no lone rewind)
         digests = mgr.gather(state_digest(model, opt))
         if leader:
             emit(event="final", rid=rid, inc=inc, step=mgr.step, digest=digests)

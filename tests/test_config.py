@@ -86,22 +86,36 @@ def test_to_yaml_round_trips_and_redacts_the_secret(tmp_path):
     path.write_text(to_yaml(cfg))
     assert load_config(path) == cfg
 
-    with_secret = load_config(overrides=["secret=hunter2"])
+    with_secret = load_config(overrides=["secret=hunter2-hunter2-hunter2"])
     dumped = to_yaml(with_secret)
     assert "hunter2" not in dumped and "secret: '***'" in dumped
-    assert with_secret.secret == "hunter2"  # the config itself is untouched
+    assert with_secret.secret == "hunter2-hunter2-hunter2"  # the config itself is untouched
     assert "hunter2" in to_yaml(with_secret, redact_secret=False)
+    # the saved config loads again; its "***" is a placeholder, never taken for a secret
+    path.write_text(dumped)
+    assert load_config(path).secret == "***"
+
+
+def test_a_short_secret_is_refused_without_showing_it():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["secret=hunter2"])
+    assert e.value.key == "secret" and "7 characters" in str(e.value) and "at least 16" in str(e.value)
+    assert "hunter2" not in str(e.value)
 
 
 def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
     cfg = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2"])
     assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2,
-                                "bucket_bytes": 4 << 20, "digest_every": cfg.consistency.every_n_steps,
-                                "checkpoint_every": 100}
+                                "chunk_bytes": 4 << 20, "num_chunks": 4, "bucket_bytes": 4 << 20, "seed": 0,
+                                "lr_intervention": "sqrt", "digest_every": cfg.consistency.every_n_steps, "checkpoint_every": 100}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
-                                   "seed=3", "ftar.num_chunks=8", "run_dir=/tmp/x"])
-    assert fingerprint(other) == fingerprint(cfg)
-    assert fingerprint(load_config(overrides=["job=exp7", "replicas=4", "min_replicas=2"])) != fingerprint(cfg)
+                                   "run_dir=/tmp/x", "ftar.timeout_s=9", "etcd.lease_ttl_s=2"])
+    assert fingerprint(other) == fingerprint(cfg)  # local knobs may differ
+    for key, value in (("seed", 3), ("ftar.num_chunks", 8), ("ftar.chunk_bytes", 1 << 20),
+                       ("ftar.bucket_bytes", 1 << 20), ("lr_intervention", "linear"), ("min_replicas", 1)):
+        changed = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
+                                         f"{key}={value}"])
+        assert fingerprint(changed) != fingerprint(cfg), key
 
 
 def test_checkpoint_dir_defaults_under_run_dir():

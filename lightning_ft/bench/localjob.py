@@ -13,12 +13,14 @@ import time
 import uuid
 from typing import Callable, Optional
 
+from lightning_ft.coord import keys
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo checkout
 LOOP = os.path.join(ROOT, "examples", "plain_loop.py")
+TEST_SECRET = "localjob-test-secret-0123456789"
 
 
 class Replica:
@@ -28,9 +30,11 @@ class Replica:
         port = free_port()
         for rank in range(job.world):
             env = {**os.environ, "LFT_JOB": job.name, "LFT_REPLICA_ID": str(rid), "LFT_NUM_REPLICAS": str(job.R),
-                   "LFT_ETCD": job.etcd, "LFT_SECRET": "test-secret", "LFT_INCARNATION": str(inc),
+                   "LFT_ETCD": job.etcd, "LFT_SECRET": TEST_SECRET, "LFT_INCARNATION": str(inc),
+                   "LFT_RUN_ID": job.run_id,
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                   **job.env.get((rid, inc), {})}
             log = open(os.path.join(job.log_dir, f"r{rid}.i{inc}.rank{rank}.log"), "w")
             p = subprocess.Popen([sys.executable, LOOP, *job.args, *job.extra.get((rid, inc), [])], env=env,
                                  stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
@@ -76,16 +80,20 @@ class Job:
     """R replicas x W ranks of the plain loop against one etcd."""
 
     def __init__(self, etcd: str, tmp: str, R: int = 3, world: int = 1, args: tuple[str, ...] = (),
-                 extra: Optional[dict] = None) -> None:
+                 extra: Optional[dict] = None, env: Optional[dict] = None) -> None:
+        """`extra[(rid, inc)]`: more arguments for that incarnation; `env[(rid, inc)]`: more
+        environment (e.g. another LFT_SECRET)."""
         self.etcd, self.R, self.world = etcd, R, world
         self.name = "t" + uuid.uuid4().hex[:8]
         self.args = list(args)
         self.extra = extra or {}
+        self.env = env or {}
         self.log_dir = str(tmp)
         self.replicas: dict[int, Replica] = {}
         self.history: list[Replica] = []
         self.store = EtcdStore(etcd)
-        self.root = f"/lft/{self.name}/"
+        self.run_id = "run0"
+        self.root = keys.root("/lft", self.name, self.run_id)
 
     def start(self, rid: int, inc: int = 0) -> Replica:
         r = Replica(self, rid, inc)
@@ -99,7 +107,7 @@ class Job:
 
     def evict(self, rid: int, reason: str = "killed by test") -> float:
         t = time.time()
-        self.store.put(f"{self.root}evict/{rid}/{self.replicas[rid].inc}", reason.encode())
+        self.store.put(keys.evict(self.root, rid, self.replicas[rid].inc), reason.encode())
         return t
 
     def wait_exit(self, rid: int, timeout_s: float = 10.0) -> None:

@@ -59,7 +59,7 @@ class Coordinator:
     """One per replica leader. Thread-safe where it says so; otherwise call from one thread."""
 
     def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec, *,
-                 prefix: str = "/lft", lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0,
+                 prefix: str = "/lft", run: str = "", lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0,
                  poll_interval_s: float = 0.05,
                  on_failure: Optional[Callable[[int, str], None]] = None,
                  on_event: Optional[Callable[..., None]] = None,
@@ -77,7 +77,7 @@ class Coordinator:
         """Called by the deciding leader as on_event(name, **fields) for rewind, diverged, halt
         and exclusion decisions (the manager appends them to events.jsonl)."""
         self._clock = clock
-        self._root = keys.root(prefix, job)
+        self._root = keys.root(prefix, job, run)
         self._member_created = 0
         """Create revision of our members/ key: the fence of our ledger writes."""
         self._lease = 0
@@ -125,6 +125,13 @@ class Coordinator:
         if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was already evicted; "
                           "restart it with a new incarnation")
+        kv = self.store.get(keys.members(self._root, self.rid))
+        if kv is not None and Report.from_json(kv.value).incarnation >= self.incarnation:
+            held = Report.from_json(kv.value).incarnation
+            raise ConfigMismatch(
+                f"replica {self.rid} (incarnation {self.incarnation}) refused: replica {self.rid} incarnation {held} "
+                f"is registered and alive. Is the same replica id started twice, or another job running with the "
+                f"same job id and secret? Give each replica its own id, or the other job another --job")
         self._next_round = self._latest_round() + 1
         self._report = Report(self.rid, self.incarnation, step, self._next_round,
                               dict(self.spec.fingerprint), tuple(addrs), tuple(state_addrs), **state)

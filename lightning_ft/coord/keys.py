@@ -1,7 +1,11 @@
 """Every etcd key of a job, in one place (docs/ARCHITECTURE.md, "Keyspace").
 
-A job's keys live under `root = {prefix}/{job}/`. Nothing else formats a key string; the
-launcher, the coordinator, the replica manager, the ledger and the tests all call these.
+A job id names `{prefix}/{job}/run`, the record of its current run (coord/runs.py), and
+each run's keys live under `root = {prefix}/{job}/runs/{run}/`: a job id used again never
+inherits another run's `finished`, cursors or evictions. (`root(prefix, job)` without a run
+is the bare layout that unit tests of one component use.) Nothing else formats a key
+string; the launcher, the coordinator, the replica manager, the ledger and the tests all
+call these.
 
     config                         job fingerprint (create-if-absent by the first leader)
     members/{rid}                  a leader's Report, bound to its lease
@@ -14,12 +18,24 @@ launcher, the coordinator, the replica manager, the ledger and the tests all cal
     ckpt/latest, ckpt/{step:012d}  published persistent checkpoints
     finished                       the job trained to completion
     halt                           the job stopped on an error every replica must obey
+    launchers/{name}               a live launcher of this run, bound to its lease
 """
 from __future__ import annotations
 
 
-def root(prefix: str, job: str) -> str:
-    return f"{prefix.rstrip('/')}/{job}/"
+def root(prefix: str, job: str, run: str = "") -> str:
+    """The keyspace of `run` of `job` (see the module docstring)."""
+    base = f"{prefix.rstrip('/')}/{job}/"
+    return f"{base}runs/{run}/" if run else base
+
+
+def run_record(prefix: str, job: str) -> str:
+    """The record of the job's current run: {id, tag, started, by}."""
+    return f"{prefix.rstrip('/')}/{job}/run"
+
+
+def launchers(root: str, name: str | None = None) -> str:
+    return f"{root}launchers/" + ("" if name is None else name)
 
 
 def config(root: str) -> str:

@@ -17,6 +17,12 @@
         on ports PORT+2i; a member that dies is restarted on its data and rejoins. fsync stays on
         unless --unsafe-no-fsync. A data dir that does not exist is created.
 
+    lightning-ft env --replica-id R [--replicas N] [--etcd HOST:PORT] [--job J] [--run-dir DIR] [key=value ...]
+        Print (`export K=V`, for eval) the variables one replica's processes need when torchrun
+        or srun starts them: LFT_JOB, LFT_REPLICA_ID, LFT_NUM_REPLICAS, LFT_ETCD, LFT_RUN_DIR,
+        LFT_CONFIG (RUN_DIR/config.yaml, written) and LFT_SECRET_FILE (RUN_DIR/secret, created
+        mode 0600 when no secret is given). Never the secret itself.
+
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R] ...
         Effective training time of ft_hsdp and restart-the-world, a replica count, plan.png.
 
@@ -84,11 +90,79 @@ def _cmd_etcd(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_env(a: argparse.Namespace) -> int:
+    """Print the variables one replica needs under torchrun or srun (launch/environment.py)."""
+    import os
+
+    from lightning_ft import secret as job_secret
+    from lightning_ft.config import ConfigError, load_config, parse_overrides, to_yaml
+    from lightning_ft.launch.environment import format_variables, replica_variables
+
+    overrides, rest = parse_overrides(a.overrides)
+    if rest:
+        print(f"lightning-ft env: unexpected arguments {rest}; only key=value config overrides follow the flags",
+              file=sys.stderr)
+        return 2
+    for key, val in (("replicas", a.replicas), ("job", a.job), ("etcd.endpoint", a.etcd), ("run_dir", a.run_dir)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    try:
+        cfg = load_config(a.config, overrides)
+    except ConfigError as e:
+        print(f"lightning-ft env: {e}", file=sys.stderr)
+        return 2
+    if not 0 <= a.replica_id < cfg.replicas:
+        print(f"lightning-ft env: --replica-id {a.replica_id} is not a replica of this job: it must be between 0 and "
+              f"replicas - 1 ({cfg.replicas - 1})", file=sys.stderr)
+        return 2
+    if not cfg.etcd.endpoint:
+        print("lightning-ft env: replicas on several hosts need an etcd they all reach: pass --etcd HOST:PORT "
+              "(e.g. from `lightning-ft etcd --host 0.0.0.0` on one node)", file=sys.stderr)
+        return 2
+    run_dir = os.path.abspath(cfg.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    secret_path = os.path.join(run_dir, "secret")
+    try:
+        configured = "" if cfg.secret == job_secret.REDACTED else cfg.secret
+        if os.environ.get(job_secret.FILE_ENV):
+            secret_path = os.path.abspath(os.environ[job_secret.FILE_ENV])
+            job_secret.read_file(secret_path)
+        elif configured or os.environ.get(job_secret.VALUE_ENV):
+            value = job_secret.resolve(configured)
+            if os.path.exists(secret_path) and job_secret.read_file(secret_path) != value:
+                print(f"lightning-ft env: {secret_path} holds another secret than the one given; remove it or "
+                      f"point {job_secret.FILE_ENV} at it", file=sys.stderr)
+                return 2
+            if not os.path.exists(secret_path):
+                job_secret.write_file(secret_path, value)
+        elif os.path.exists(secret_path):
+            job_secret.read_file(secret_path)
+        else:
+            job_secret.write_file(secret_path, job_secret.generate())
+            print(f"lightning-ft env: wrote a new job secret to {secret_path} (mode 0600); every replica's "
+                  f"processes must read the same file", file=sys.stderr)
+    except job_secret.SecretError as e:
+        print(f"lightning-ft env: {e}", file=sys.stderr)
+        return 2
+    cfg.run_dir = run_dir
+    config_path = os.path.join(run_dir, "config.yaml")
+    with open(config_path, "w") as f:
+        f.write(to_yaml(cfg))
+    variables = replica_variables(job=cfg.job, replica_id=a.replica_id, num_replicas=cfg.replicas,
+                                  etcd=cfg.etcd.endpoint, run_dir=run_dir, config=config_path,
+                                  secret_file=secret_path, run_id=a.run_id or "")
+    print(format_variables(variables, a.format), flush=True)
+    print(f"# then, on the host of replica {a.replica_id}: torchrun --nproc-per-node {cfg.nproc_per_replica} "
+          f"--max-restarts 10 train.py   (or srun --ntasks {cfg.nproc_per_replica} python train.py); "
+          f"README: Multi-node", file=sys.stderr)
+    return 0
+
+
 def _cmd_run(a: argparse.Namespace) -> int:
     import os
-    import secrets
 
     from lightning_ft.config import ConfigError, checkpoint_dir, load_config, to_yaml
+    from lightning_ft.coord.runs import RunConflict
     from lightning_ft.hydra import LAUNCHER_READ_ENV
     from lightning_ft.launch.argsplit import SEPARATOR
     from lightning_ft.launch.supervisor import Supervisor
@@ -136,12 +210,19 @@ def _cmd_run(a: argparse.Namespace) -> int:
         print(f"lightning-ft: resuming from {resume_from} (step {found[0]})", flush=True)
     os.makedirs(cfg.run_dir, exist_ok=True)
     replica_ids = [int(x) for x in a.replica_ids.split(",")] if a.replica_ids else None
-    secret = cfg.secret or os.environ.get("LFT_SECRET")
-    if not secret and replica_ids is not None:
-        print("lightning-ft run: launchers on several nodes must share the job secret: pass secret=... "
-              "or set LFT_SECRET on every node", file=sys.stderr)
+    from lightning_ft import secret as job_secret
+
+    try:  # a resumed run's config.yaml shows the secret as "***": never a secret, so not used
+        secret = job_secret.resolve("" if cfg.secret == job_secret.REDACTED else cfg.secret, required=False)
+    except job_secret.SecretError as e:
+        print(f"lightning-ft run: {e}", file=sys.stderr)
         return 2
-    secret = secret or secrets.token_hex(16)  # one launcher runs every replica: any secret will do
+    if not secret and replica_ids is not None:
+        print(f"lightning-ft run: launchers on several nodes must share the job secret: set "
+              f"{job_secret.FILE_ENV} to a file holding it (mode 0600) on every node, or {job_secret.VALUE_ENV}",
+              file=sys.stderr)
+        return 2
+    secret = secret or job_secret.generate()  # one launcher runs every replica: any secret will do
     config_path = os.path.abspath(os.path.join(cfg.run_dir, "config.yaml"))
     with open(config_path, "w") as f:
         f.write(to_yaml(cfg))
@@ -152,8 +233,6 @@ def _cmd_run(a: argparse.Namespace) -> int:
     keeper = EtcdKeeper(cfg)
     try:
         endpoint = keeper.start()
-        if resume_from is not None:
-            _seed_resume(keeper.store, cfg, resume_from)
     except (EtcdNotFound, RuntimeError, StoreError) as e:
         keeper.close()
         print(f"lightning-ft run: {e}", file=sys.stderr)
@@ -173,11 +252,16 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
                          max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
                          checkpoint_root=checkpoint_dir(cfg), store=keeper.store, crash_loop=cfg.supervisor.crash_loop,
-                         min_replicas=cfg.min_replicas,
+                         min_replicas=cfg.min_replicas, seed_from=resume_from or "",
                          env={"LFT_CONFIG": config_path, **keeper.child_env(),
                               **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),
                               **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})
-        sup.start()
+        try:
+            sup.start()
+        except RunConflict as e:
+            print(f"lightning-ft run: {e}", file=sys.stderr, flush=True)
+            return 2
+        print(f"lightning-ft: {sup.run_reason}", flush=True)
         if a.no_status or not sys.stdout.isatty():
             rc = sup.run(until=keeper.tick, timeout_s=a.timeout)
         else:
@@ -217,17 +301,6 @@ def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppCon
                               f"take the ft. prefix, e.g. ft.{hint[0]}") from None
         raise
     return split.ft_overrides, split.script_args, app
-
-
-def _seed_resume(store, cfg, ckpt: str) -> None:
-    """A whole-job restart: a new history generation at the checkpoint, in the job's keyspace
-    (its ledger stays, so exactly-once holds across the restart)."""
-    from lightning_ft.coord import keys
-    from lightning_ft.replica.checkpoint import restart_job
-
-    rec = restart_job(store, keys.root(cfg.etcd.prefix, cfg.job), ckpt)
-    print(f"lightning-ft: history generation {rec['gen']} starts at step {rec['to']}"
-          + (f" (the job had reached step {rec['from']})" if "from" in rec else ""), flush=True)
 
 
 def _status_table(sup) -> "object":
@@ -284,6 +357,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--key-file", default=None, help="TLS: its private key")
     e.add_argument("--client-ca-file", default=None, help="TLS: require client certificates signed by this CA")
     e.set_defaults(fn=_cmd_etcd)
+    v = sub.add_parser("env", help="print the variables one replica needs under torchrun or srun")
+    v.add_argument("--replica-id", type=int, required=True, help="the replica these processes are")
+    v.add_argument("--replicas", type=int, default=None, help="R (default: config `replicas`)")
+    v.add_argument("--etcd", default=None, help="HOST:PORT of an etcd every host reaches")
+    v.add_argument("--job", default=None)
+    v.add_argument("--run-dir", default=None, help="where config.yaml, the secret file and the logs go")
+    v.add_argument("--config", default=None, help="YAML config (see configs/default.yaml)")
+    v.add_argument("--run-id", default=None, help="the job's run (default: SLURM_JOB_ID under srun, else the "
+                                                  "run the first replica starts)")
+    v.add_argument("--format", choices=["sh", "env", "json"], default="sh",
+                   help="sh: `export K=V` lines for eval; env: K=V lines; json")
+    v.add_argument("overrides", nargs="*", help="key=value config overrides")
+    v.set_defaults(fn=_cmd_env)
     r = sub.add_parser("run", help="start and supervise the replicas of a training script")
     r.add_argument("--replicas", type=int, default=None, help="R (default: config `replicas`)")
     r.add_argument("--nproc-per-replica", type=int, default=None, help="W (default: config `nproc_per_replica`)")

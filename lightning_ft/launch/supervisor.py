@@ -31,7 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from lightning_ft.coord import keys
 from lightning_ft.coord.etcd_server import free_port
+from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import EtcdStore, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class Supervisor:
                  max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
-                 crash_loop: int = 3, min_replicas: int = 1) -> None:
+                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "") -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -119,7 +121,11 @@ class Supervisor:
 
         `crash_loop`: a replica that exits with the same non-zero code this many times in a row
         without committing a step is not restarted (its log tail is printed); if fewer than
-        `min_replicas` are left, the job stops."""
+        `min_replicas` are left, the job stops.
+
+        The job's run (coord/runs.py) is opened by `start`: a launcher joins the run another
+        launcher of the job (same job id and secret) is running, or starts a new one. A new
+        run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
         if restart not in ("replica", "world"):
             raise ValueError(f"restart={restart!r} must be 'replica' or 'world'")
         self.restart_mode = restart
@@ -148,7 +154,14 @@ class Supervisor:
         self._halted_at = 0.0
         self._secret = secret
         self._extra_env = dict(env or {})
-        self._root = f"{prefix.rstrip('/')}/{job}/"
+        self._prefix = prefix
+        self._seed_from = seed_from
+        self.run_id = ""
+        """The run this launcher belongs to (set by `start`)."""
+        self._root = keys.root(prefix, job)
+        self._hold: Optional[RunHold] = None
+        self.run_reason = ""
+        """What `start` decided about the run, in words."""
         self._downtime = dict(downtime_steps or {})
         self._replicas = {rid: _Replica(ReplicaSpec(rid, nproc_per_replica)) for rid in ids}
         self._own_store = store is None
@@ -168,10 +181,54 @@ class Supervisor:
         with self._lock:
             if self._started or self._shut_down:
                 raise RuntimeError("this Supervisor was already started; create a new one to start the job again")
+            self._open_run()
             atexit.register(self.shutdown)
             self._started = True
             for rep in self._replicas.values():
                 self._launch(rep)
+
+    @property
+    def root(self) -> str:
+        """The keyspace of this launcher's run."""
+        return self._root
+
+    def _open_run(self) -> None:
+        """Join or start the job's run. `--resume` (`seed_from`) continues the run this run
+        directory last ran (RUN_DIR/run_id) when etcd still knows it, so the ledger spans the
+        restart: a new history generation at the checkpoint (replica/checkpoint.py restart_job).
+        Only a launcher that finds the run not running seeds it (several launchers of one job
+        may resume it)."""
+        from lightning_ft.coord.runs import is_live
+        from lightning_ft.secret import tag
+
+        self._hold = RunHold(self._store, ttl_s=5.0)
+        try:
+            want = self._previous_run_id() if self._seed_from else ""
+            run = open_run(self._store, self._prefix, self.job, tag(self._secret, self.job), self._hold, want=want)
+            self.run_id, self._root = run.run_id, keys.root(self._prefix, self.job, run.run_id)
+            if self._seed_from and (run.action == "start" or not is_live(self._store, self._root)):
+                from lightning_ft.replica.checkpoint import restart_job
+
+                rec = restart_job(self._store, self._root, self._seed_from)
+                print(f"lightning-ft: history generation {rec['gen']} starts at step {rec['to']}"
+                      + (f" (the job had reached step {rec['from']})" if "from" in rec else ""), flush=True)
+        except BaseException:
+            self._hold.close()
+            self._hold = None
+            raise
+        self._hold.hold(self._root)
+        self.run_reason = run.reason
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, "run_id"), "w") as f:
+                f.write(self.run_id + "\n")
+
+    def _previous_run_id(self) -> str:
+        try:
+            with open(os.path.join(self.run_dir, "run_id")) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
 
     def set_downtime(self, rid: int, steps: int) -> None:
         """From now on, after a failure keep replica `rid` down until the job advances `steps`
@@ -265,6 +322,8 @@ class Supervisor:
                 if rep.state == "restarting":
                     rep.state = "stopped"
             self._events.close()
+            if self._hold is not None:
+                self._hold.close()
             if self._own_store:
                 self._store.close()
 
@@ -307,6 +366,7 @@ class Supervisor:
         return {**os.environ, **self._extra_env,
                 "LFT_JOB": self.job, "LFT_REPLICA_ID": str(rep.rid), "LFT_NUM_REPLICAS": str(self.replicas),
                 "LFT_ETCD": self.etcd, "LFT_SECRET": self._secret, "LFT_INCARNATION": str(rep.incarnation),
+                "LFT_RUN_ID": self.run_id,
                 "LFT_RUN_DIR": self.run_dir, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
 
@@ -373,14 +433,14 @@ class Supervisor:
         """Whether the replica's leader wrote `left/{rid}/{inc}` (Coordinator.close) before
         revoking its lease: a process tearing down is not a hang."""
         try:
-            return self._store.get(f"{self._root}left/{rep.rid}/{rep.incarnation}") is not None
+            return self._store.get(keys.left(self._root, rep.rid, rep.incarnation)) is not None
         except Exception:
             return False
 
     # -- halts, crash loops, the end of the job -----------------------------------------------------
     def _read_halt(self) -> str:
         try:
-            kv = self._store.get(f"{self._root}halt")
+            kv = self._store.get(keys.halt(self._root))
         except StoreError:
             return ""
         return json.loads(kv.value).get("reason", "halted") if kv is not None else ""
@@ -402,7 +462,7 @@ class Supervisor:
 
     def _job_finished(self) -> bool:
         try:
-            return self._store.get(f"{self._root}finished") is not None
+            return self._store.get(keys.finished(self._root)) is not None
         except StoreError:
             return False
 
@@ -507,7 +567,7 @@ class Supervisor:
 
     def _evict(self, rep: _Replica, reason: str) -> bool:
         """Write evict/{rid}/{inc}; False (and a warning) when etcd refused or was unreachable."""
-        key = f"{self._root}evict/{rep.rid}/{rep.incarnation}"
+        key = keys.evict(self._root, rep.rid, rep.incarnation)
         try:
             self._store.put(key, reason.encode())
             return True
@@ -563,7 +623,7 @@ class Supervisor:
     def _member_reports(self) -> Optional[dict[int, dict[str, Any]]]:
         """Live member reports by replica id, or None when etcd could not be read."""
         try:
-            kvs, _ = self._store.get_prefix(self._root + "members/")
+            kvs, _ = self._store.get_prefix(keys.members(self._root))
         except StoreError as e:
             log.warning("cannot read member reports: %s", e)
             return None
@@ -581,7 +641,7 @@ class Supervisor:
             reports = self._member_reports() or {}
         steps = [int(r.get("step", 0)) for r in reports.values()]
         try:
-            kvs, _ = self._store.get_prefix(self._root + "quorum/")
+            kvs, _ = self._store.get_prefix(keys.quorum(self._root))
             if kvs:
                 steps.append(int(json.loads(kvs[-1].value).get("max_step", 0)))
         except (StoreError, ValueError) as e:

@@ -18,19 +18,28 @@ Protocol (HTTP/1.0, one request per connection, nothing is ever pickled):
     X-LFT-Time:    <unix seconds>      refused if more than 60 s off the server's clock
     X-LFT-Auth:    hex(HMAC-SHA256(secret, f"{version}|{fetcher}|{nonce}|{time}"))
 
-    200  Content-Length: 8 + H + sum(nbytes)
-         body = H as 8-byte big-endian | H bytes of UTF-8 JSON header | raw tensor bytes, in order
+    200  Content-Length: 8 + H + 16 + sum(nbytes) + 16
+         body = H as 8-byte big-endian | H bytes of UTF-8 JSON header | header MAC (16 bytes)
+                | raw tensor bytes, in order | body MAC (16 bytes)
          header = {"version": v, "meta": {...},
                    "tensors": [{"name": str, "dtype": "bfloat16", "shape": [..], "nbytes": int}, ...]}
+         header MAC = Poly1305(key_h, H + header), body MAC = Poly1305(key_b, H + header + tensor bytes),
+         one-time keys key_x = HMAC-SHA256(secret, "lft-catchup-{header|body}|{nonce}|{version}")
     then the fetcher, having read and checked the whole body, writes ACK (one byte, 0x06) on the
     same connection; only then does the server count it in `completed()`.
-    400  malformed request        401  authentication failed (bad HMAC, stale time, replayed nonce)
+    400  malformed request        401  authentication failed (nothing more is said)
     404  nothing published        409  another version is published (JSON body: {"error", "version"})
     410  this version was frozen without the tensors a new fetch would need (all expected fetchers finished)
 
-Errors carry a JSON body {"error": str, "version": int | null}. Only the request is
-authenticated; the job secret keeps strangers from reading the model, and the fetcher checks
-the layout of what it gets against its own tensors.
+Errors carry a JSON body {"error": str, "version": int | null}. Both directions are
+authenticated, keyed by the job secret and bound to the fetcher's fresh nonce (so an old
+response cannot be replayed). The fetcher verifies the header MAC before it looks at the
+header or writes one tensor byte: a server without the secret never touches the fetcher's
+state. It verifies the body MAC before it applies any meta (param_groups, scheduler) or
+acknowledges; a body altered in flight therefore ends the fetch as `partial` (the replica
+votes LOST and restarts fresh: unverified bytes are never trained on). Only known meta keys
+are applied (`check_meta`). A refusal before authentication says only "authentication
+failed"; the server logs why.
 
 Consistency: a fetch never observes a tensor mutated after `freeze()` returned. Sends are
 chunked; each chunk is sent under a reader mark, freeze blocks new chunks, waits for the
@@ -42,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import socket
 import struct
@@ -52,6 +62,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 import torch
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 SEND_CHUNK = 1 << 20
 """Bytes per send under one reader mark: bounds how long freeze() waits for sends in flight."""
@@ -61,7 +72,11 @@ MAX_SKEW_S = 60.0
 """Largest accepted difference between the fetcher's X-LFT-Time and the server clock."""
 ACK = b"\x06"
 """The byte a fetcher sends back after it read and accepted the whole body."""
+MAC_BYTES = 16
+META_KEYS = ("step", "param_groups", "scheduler")
+"""The meta a fetcher accepts; any other key a server sends is dropped."""
 _LEN = struct.Struct(">Q")
+log = logging.getLogger(__name__)
 
 
 class CatchupError(RuntimeError):
@@ -84,6 +99,64 @@ class CatchupError(RuntimeError):
 
 def _auth(secret: bytes, version: int, fetcher: str, nonce: str, stamp: str) -> str:
     return hmac.new(secret, f"{version}|{fetcher}|{nonce}|{stamp}".encode(), hashlib.sha256).hexdigest()
+
+
+def _response_macs(secret: bytes, nonce: str, version: int, header: bytes) -> tuple[bytes, Poly1305]:
+    """(header MAC, body MAC in progress: the header is in it, the tensor bytes follow).
+
+    Poly1305 (several GB/s, where HMAC-SHA256 costs more than the copy) with one-time keys
+    derived from the secret and the request's nonce: a server answers a nonce once, so no
+    key authenticates two messages."""
+    def key(what: str) -> bytes:
+        return hmac.new(secret, f"lft-catchup-{what}|{nonce}|{int(version)}".encode(), hashlib.sha256).digest()
+
+    head = Poly1305(key("header"))
+    head.update(header)
+    body = Poly1305(key("body"))
+    body.update(header)
+    return head.finalize(), body
+
+
+def check_meta(meta: object, param_groups: list[dict]) -> dict:
+    """The part of a (verified) response's meta a fetcher may apply: known keys only, and in
+    each param group only the keys the local group has, with values of the local type.
+    Raises CatchupError when the structure cannot be ours (another optimizer)."""
+    if not isinstance(meta, dict):
+        raise CatchupError(f"meta is {type(meta).__name__}, not a mapping")
+    out = {k: meta[k] for k in META_KEYS if k in meta}
+    dropped = sorted(set(meta) - set(META_KEYS))
+    if dropped:
+        log.warning("catch-up: ignoring unknown meta keys %s", dropped)
+    groups = out.get("param_groups", [])
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise CatchupError(f"the server's optimizer has {len(groups) if isinstance(groups, list) else '?'} param "
+                           f"groups, ours {len(param_groups)}; both replicas must build the same optimizer")
+    clean = []
+    for i, (theirs, ours) in enumerate(zip(groups, param_groups)):
+        if not isinstance(theirs, dict):
+            raise CatchupError(f"param group {i} from the server is not a mapping")
+        group = {}
+        for key, value in theirs.items():
+            if key == "params" or key not in ours:
+                continue
+            mine = ours[key]
+            if isinstance(mine, (tuple, list)) and isinstance(value, list) and len(value) == len(mine):
+                value = type(mine)(value)
+            elif isinstance(mine, bool) or mine is None:
+                if not (value is None or isinstance(value, bool)):
+                    raise CatchupError(f"param group {i} key {key!r}: server sent {value!r}, ours is {mine!r}")
+            elif isinstance(mine, (int, float)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise CatchupError(f"param group {i} key {key!r}: server sent {value!r}, ours is {mine!r}")
+            elif type(value) is not type(mine):
+                raise CatchupError(f"param group {i} key {key!r}: server sent a {type(value).__name__}, ours is "
+                                   f"a {type(mine).__name__}")
+            group[key] = value
+        clean.append(group)
+    out["param_groups"] = clean
+    if "step" in out and (isinstance(out["step"], bool) or not isinstance(out["step"], int)):
+        raise CatchupError(f"meta step {out['step']!r} is not an integer")
+    return out
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -257,7 +330,7 @@ class StateServer:
             self._sends.add(send)
             return 200, {}, send
 
-    def _send_chunk(self, send: _Send, i: int, lo: int, hi: int) -> None:
+    def _send_chunk(self, send: _Send, i: int, lo: int, hi: int, mac: Poly1305) -> None:
         with self._cond:
             while self._freezing:
                 self._cond.wait()
@@ -268,22 +341,27 @@ class StateServer:
                 raise ConnectionAbortedError(f"tensor {i} was dropped during the fetch")
             send.busy = True
         try:
-            send.sock.sendall(buf[lo:hi])
+            piece = buf[lo:hi]
+            mac.update(piece)  # releases the GIL, like the send
+            send.sock.sendall(piece)
         finally:
             with self._cond:
                 send.busy = False
                 self._cond.notify_all()
 
-    def _serve(self, send: _Send, start: Callable[[], None], read_ack: Callable[[], bytes]) -> None:
-        """Start the response, send every tensor's bytes in SEND_CHUNK pieces; the fetcher is
-        complete once it acknowledges."""
+    def _serve(self, send: _Send, nonce: str, start: Callable[[bytes], None], write: Callable[[bytes], None],
+               read_ack: Callable[[], bytes]) -> None:
+        """Start the response (header and its MAC), send every tensor's bytes in SEND_CHUNK
+        pieces, then the body MAC; the fetcher is complete once it acknowledges."""
         try:
-            start()
+            head_mac, body_mac = _response_macs(self._secret, nonce, send.pub.version, send.pub.header)
+            start(head_mac)
             for i, spec in enumerate(send.pub.specs):
                 for lo in range(0, spec["nbytes"], SEND_CHUNK):
-                    self._send_chunk(send, i, lo, min(lo + SEND_CHUNK, spec["nbytes"]))
+                    self._send_chunk(send, i, lo, min(lo + SEND_CHUNK, spec["nbytes"]), body_mac)
                 with self._cond:
                     send.index = i + 1
+            write(body_mac.finalize())
             if read_ack() != ACK:
                 return  # the fetcher refused the state (layout mismatch) or died
             with self._cond:
@@ -335,22 +413,25 @@ def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
         def _get(self) -> None:
             parts = self.path.split("/")
             if len(parts) != 3 or parts[1] != "state" or not parts[2].lstrip("-").isdigit():
-                return self._error(400, f"bad path {self.path!r}; expected /state/<version>")
+                return self._error(400, "bad request")
             version = int(parts[2])
             fetcher, why = server._check_auth(version, self.headers)
-            if fetcher is None:
-                return self._error(401, f"authentication failed: {why}")
+            if fetcher is None:  # the requester learns nothing; the owner's log says why
+                log.warning("%s refused a catch-up request from %s: %s", server.name, self.client_address[0], why)
+                return self._error(401, "authentication failed")
             status, err, send = server._admit(version, fetcher, self.connection)
             if send is None:
                 return self._error(status, err["error"], err["version"])
-            server._serve(send, lambda: self._start(send.pub), lambda: self.rfile.read(1))
+            server._serve(send, self.headers["X-LFT-Nonce"], lambda head_mac: self._start(send.pub, head_mac),
+                          self.wfile.write, lambda: self.rfile.read(1))
 
-        def _start(self, pub: _Publication) -> None:
+        def _start(self, pub: _Publication, head_mac: bytes) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(len(pub.header) + sum(s["nbytes"] for s in pub.specs)))
+            size = len(pub.header) + MAC_BYTES + sum(s["nbytes"] for s in pub.specs) + MAC_BYTES
+            self.send_header("Content-Length", str(size))
             self.end_headers()
-            self.wfile.write(pub.header)
+            self.wfile.write(pub.header + head_mac)
 
         def _error(self, status: int, message: str, version: Optional[int] = None) -> None:
             body = json.dumps({"error": message, "version": version}).encode()
@@ -367,10 +448,12 @@ def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
 
 
 def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secret: bytes, fetcher: str,
-                timeout_s: float = 30.0) -> tuple[dict, dict]:
+                timeout_s: float = 30.0, param_groups: Optional[list[dict]] = None) -> tuple[dict, dict]:
     """Fetch `version` from the StateServer at `address` straight into the preallocated CPU tensors
     `into` (same names, dtypes and shapes, in order). Every socket operation is bounded by
-    `timeout_s`. Returns (meta, {"bytes", "seconds", "gbps"}); raises CatchupError."""
+    `timeout_s`. Returns (meta, {"bytes", "seconds", "gbps"}), after both MACs verified;
+    with `param_groups` (the local optimizer's), meta is `check_meta`'s, checked before any
+    tensor byte is written. Raises CatchupError."""
     where = f"catch-up from {address} (version {version})"
     if not (fetcher.isascii() and fetcher.isprintable() and fetcher.strip() == fetcher and fetcher):
         raise ValueError(f"fetcher id must be printable ASCII without surrounding spaces, got {fetcher!r}")
@@ -379,27 +462,42 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
     t0 = time.perf_counter()
     written = [0]
     try:
-        return _fetch(address, version, into, secret, fetcher, timeout_s, where, host, port, views, t0, written)
+        return _fetch(address, version, into, secret, fetcher, timeout_s, where, host, port, views, t0, written,
+                      param_groups)
     except CatchupError as e:
         e.partial = written[0] > 0
         raise
 
 
 def _fetch(address: str, version: int, into: dict, secret: bytes, fetcher: str, timeout_s: float, where: str,
-           host: str, port: str, views: dict, t0: float, written: list) -> tuple[dict, dict]:
+           host: str, port: str, views: dict, t0: float, written: list,
+           param_groups: Optional[list[dict]]) -> tuple[dict, dict]:
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
-            body = _request(sock, address, version, secret, fetcher)
+            headers = _request_headers(secret, version, fetcher)
+            body = _request(sock, address, version, headers)
             if body.status != 200:
                 raise _status_error(where, body)
-            head = _read_header(body, where)
+            raw = _read_header_bytes(body, where)
+            want_head, body_mac = _response_macs(bytes(secret), headers["X-LFT-Nonce"], version, raw)
+            got = bytearray(MAC_BYTES)
+            _read_exact(body, memoryview(got), where, "the header MAC")
+            if not hmac.compare_digest(want_head, bytes(got)):
+                raise CatchupError(f"{where} failed: the response is not authentic (header MAC mismatch); the "
+                                   f"server does not hold the job secret. Nothing was applied")
+            head = json.loads(raw[_LEN.size:].decode())
             if head.get("version") != version:
                 raise CatchupError(f"{where} failed: server sent version {head.get('version')}")
             _check_layout(head, into, where)
-            nbytes = _read_tensors(body, head["tensors"], views, where, written)
-            if body.remaining:
-                raise CatchupError(f"{where} failed: {body.remaining} bytes past the last tensor; "
+            meta = check_meta(head.get("meta"), param_groups) if param_groups is not None else head.get("meta")
+            nbytes = _read_tensors(body, head["tensors"], views, where, written, body_mac)
+            if body.remaining != MAC_BYTES:
+                raise CatchupError(f"{where} failed: {body.remaining - MAC_BYTES} bytes past the last tensor; "
                                    f"not a lightning-ft state server of this version")
+            _read_exact(body, memoryview(got), where, "the body MAC")
+            if not hmac.compare_digest(body_mac.finalize(), bytes(got)):
+                raise CatchupError(f"{where} failed: the state bytes are not authentic (body MAC mismatch: altered "
+                                   f"in flight); they must not be used")
             sock.sendall(ACK)
     except CatchupError:
         raise
@@ -410,7 +508,7 @@ def _fetch(address: str, version: int, into: dict, secret: bytes, fetcher: str, 
         raise CatchupError(f"{where} failed: {type(e).__name__}: {e}; the healthy rank may have died or "
                            f"moved on — retry in the next round") from e
     seconds = time.perf_counter() - t0
-    return head["meta"], {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9}
+    return meta, {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
 
 class _Body:
@@ -433,9 +531,8 @@ class _Body:
         return n
 
 
-def _request(sock: socket.socket, address: str, version: int, secret: bytes, fetcher: str) -> _Body:
+def _request(sock: socket.socket, address: str, version: int, headers: dict[str, str]) -> _Body:
     """Send the authenticated GET and read the status line and headers."""
-    headers = _request_headers(secret, version, fetcher)
     lines = [f"GET /state/{int(version)} HTTP/1.0", f"Host: {address}", *(f"{k}: {v}" for k, v in headers.items())]
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
     raw = b""
@@ -479,25 +576,33 @@ def _status_error(where: str, resp: _Body) -> CatchupError:
     return CatchupError(f"{where} failed: HTTP {resp.status}: {reason}", resp.status)
 
 
-def _read_exact(resp: _Body, buf: memoryview, where: str, what: str) -> None:
+def _read_exact(resp: _Body, buf: memoryview, where: str, what: str, mac: Optional[Poly1305] = None) -> None:
+    """Fill `buf`; `mac` takes each piece while it is still in cache."""
     got = 0
     while got < len(buf):
         n = resp.readinto(buf[got:got + RECV_CHUNK])
         if not n:
             raise CatchupError(f"{where} failed: body truncated in {what} ({got} of {len(buf)} bytes); the "
                                f"healthy rank closed the connection (died, or retired the state) — retry")
+        if mac is not None:
+            mac.update(buf[got:got + n])
         got += n
 
 
-def _read_header(resp: _Body, where: str) -> dict:
+MAX_HEADER = 64 << 20
+"""Largest accepted JSON header (tensor list and meta), read before it is authenticated."""
+
+
+def _read_header_bytes(resp: _Body, where: str) -> bytes:
+    """The 8-byte length and the header it announces, as sent (not parsed: not yet verified)."""
     raw = bytearray(_LEN.size)
     _read_exact(resp, memoryview(raw), where, "the header length")
     (hlen,) = _LEN.unpack(raw)
-    if hlen > 1 << 30:
+    if hlen > min(MAX_HEADER, max(0, resp.remaining)):
         raise CatchupError(f"{where} failed: implausible header length {hlen}; not a lightning-ft state server")
-    raw = bytearray(hlen)
-    _read_exact(resp, memoryview(raw), where, "the header")
-    return json.loads(raw.decode())
+    body = bytearray(hlen)
+    _read_exact(resp, memoryview(body), where, "the header")
+    return bytes(raw + body)
 
 
 def _check_layout(head: dict, into: dict[str, torch.Tensor], where: str) -> None:
@@ -516,12 +621,11 @@ def _check_layout(head: dict, into: dict[str, torch.Tensor], where: str) -> None
 
 
 def _read_tensors(resp: _Body, specs: list[dict], views: dict[str, torch.Tensor], where: str,
-                  written: Optional[list] = None) -> int:
+                  written: list, mac: Poly1305) -> int:
     total = 0
     for spec in specs:
         if spec["nbytes"]:
-            if written is not None:
-                written[0] = total + 1  # from here on the destination is being overwritten
-            _read_exact(resp, memoryview(views[spec["name"]].numpy()), where, f"tensor {spec['name']!r}")
+            written[0] = total + 1  # from here on the destination is being overwritten
+            _read_exact(resp, memoryview(views[spec["name"]].numpy()), where, f"tensor {spec['name']!r}", mac)
             total += spec["nbytes"]
     return total

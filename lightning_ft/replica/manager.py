@@ -42,6 +42,7 @@ import torch.distributed as dist
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, adopt_role, must_abort, steady_next
+from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import Store, store_from_config
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
@@ -49,7 +50,8 @@ from lightning_ft.replica import data as ledger
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
 from lightning_ft.replica.state import (combine, fast_digest, materialize_optimizer_state, opt_params,
-                                        state_tensors)
+                                        param_layout, state_tensors)
+from lightning_ft.secret import tag as secret_tag
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +147,8 @@ class ReplicaManager:
                  bind_host: str = "127.0.0.1", advertise_host: str = "",
                  fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
-                 sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2) -> None:
+                 sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2,
+                 run_id: str = "") -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -158,11 +161,18 @@ class ReplicaManager:
         self._etcd_config = etcd_config
         """The job's `etcd` config section (TLS, auth, connect timeout); None: $LFT_CONFIG's or defaults."""
         self.prefix = prefix
-        self.root = keys.root(prefix, job)
+        self.run_id = run_id
+        """The job's run (coord/runs.py): "" = join or start the run recorded in etcd."""
+        self.root = keys.root(prefix, job, run_id)
+        """This run's keyspace; set by `start` once the run is known."""
         self.lr_mode = lr_intervention
         self.quorum_timeout_s = quorum_timeout_s
-        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s,
-                            fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
+        fp = dict(fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
+        # What this process really uses, whatever the config said, and what no config holds.
+        fp.update(job=job, replicas=num_replicas, nproc_per_replica=world, chunk_bytes=chunk_bytes,
+                  num_chunks=num_chunks, lr_intervention=lr_intervention,
+                  secret_tag=secret_tag(secret, job), params=param_layout(self._named_params))
+        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp)
         self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)
         self.hang_timeout_s = hang_timeout_s
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
@@ -252,7 +262,7 @@ class ReplicaManager:
             materialize_optimizer_state(self.optimizer)
         if self.is_leader and self._store is None:
             self._store = store_from_config(self._etcd_config, self._etcd)
-        host = self._broadcast(advertised(self.bind_host, self.advertise_host, self._etcd) if self.is_leader else None)
+        host = self._leader_result(lambda: advertised(self.bind_host, self.advertise_host, self._etcd))
         from lightning_ft import ops
 
         ops.set_num_programs(self.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
@@ -264,16 +274,41 @@ class ReplicaManager:
         self.buckets = GradBuckets(opt_params(self.optimizer), self._send_bucket, f"replica {self.rid}")
         self.buckets.attach()
         self.optimizer.zero_grad = self.buckets.zero  # keep .grad as views of the exchange buffer
-        if self.is_leader:
+        self.root, self.gen, self.cursor = self._leader_result(lambda: self._register(addrs))
+
+    def _register(self, addrs: list) -> tuple[str, int, int]:
+        """Leader: join (or start) the job's run, then register with the coordinator."""
+        hold = RunHold(self._store, ttl_s=30.0, keepalive=False)  # until our members/ key exists
+        try:
+            run = open_run(self._store, self.prefix, self.job, secret_tag(self.secret, self.job), hold,
+                           want=self.run_id, first=self.incarnation == 0)
+            log.info("replica %d: %s", self.rid, run.reason)
+            self.run_id, self.root = run.run_id, keys.root(self.prefix, self.job, run.run_id)
             self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
-                                     on_failure=self._on_failure, on_event=self.event, **self._coord_kw)
+                                     run=self.run_id, on_failure=self._on_failure, on_event=self.event,
+                                     **self._coord_kw)
             # A new process holds an initial state or the resume's checkpoint: both belong to the
             # ledger's newest generation.
             self.gen = ledger.latest_gen(self._store, self.root)
             self.cursor = ledger.read_cursor(self._store, self.root, self.rid, self.gen)
             self.coord.register(self.step, addrs=[a for a, _ in addrs], state_addrs=[s for _, s in addrs],
                                 gen=self.gen, synced=self.synced, cursor=self.cursor)
-        self.gen, self.cursor = self._broadcast((self.gen, self.cursor))
+        finally:
+            hold.close()
+        return self.root, self.gen, self.cursor
+
+    def _leader_result(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the leader, its result (or its exception, raised) on every rank."""
+        got: Any = None
+        if self.is_leader:
+            try:
+                got = fn()
+            except Exception as e:  # every rank must raise it, not wait in the broadcast
+                got = e
+        got = self._broadcast(got)
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
         """Exchange gradient buckets from backward hooks (buckets.py); same `bucket_bytes` on
@@ -559,7 +594,9 @@ class ReplicaManager:
             raise
         except FTARError as e:
             log.warning("replica %d rank %d: exchange of step %d failed: %s", self.rid, self.rank, plan.step, e)
-            self._ring_ok, self._blame = False, self._blamed(plan.quorum, e)
+            # An exchange on a ring that failed to connect fails at once without a peer: keep
+            # the blame of the connect, which named the neighbour that did not answer.
+            self._ring_ok, self._blame = False, self._blamed(plan.quorum, e) or self._blame
             vote = min(vote, FAILED)
         if vote == OK:
             self.buckets.write_grads()
@@ -602,7 +639,8 @@ class ReplicaManager:
             try:
                 with torch.no_grad():
                     meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
-                                              timeout_s=max(10.0, self.ftar.timeout_s * 2))
+                                              timeout_s=max(10.0, self.ftar.timeout_s * 2),
+                                              param_groups=self.optimizer.param_groups)
                 break
             except CatchupError as e:
                 # The source publishes right after it gets the same quorum (or, in a rewind, after
@@ -612,8 +650,8 @@ class ReplicaManager:
                     continue
                 log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
                 return LOST if e.partial else FAILED
-        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
-            g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
+        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):  # verified, known keys only
+            g.update(saved)
         if self.scheduler is not None and meta.get("scheduler") is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
         self.stats.catchup_s = time.perf_counter() - t0

@@ -19,6 +19,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def param_layout(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The model's parameter names, global shapes and dtypes, hashed: replicas of one job
+    must agree on it (a joiner with another model is refused at registration). Readable
+    enough to tell models apart: "n=6 numel=3201 sha=1f0c...". FSDP2's DTensors report
+    their global shape, so it does not depend on the sharding."""
+    h = hashlib.sha256()
+    n = numel = 0
+    for name, p in named_params:
+        h.update(f"{name}|{tuple(p.shape)}|{str(p.dtype).removeprefix('torch.')}\n".encode())
+        n += 1
+        numel += p.numel()
+    return f"n={n} numel={numel} sha={h.hexdigest()[:12]}"
+
+
 def opt_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 

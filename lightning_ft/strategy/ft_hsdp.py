@@ -48,15 +48,14 @@ class FTHSDPError(RuntimeError):
     """A misuse or an unrecoverable state, with what to do about it."""
 
 
-def _env(name: str, default: Optional[str] = None) -> str:
-    v = os.environ.get(name, default)
-    if v is None:
-        raise FTHSDPError(
-            f"strategy='ft_hsdp' needs the launcher's environment ({name} is not set). Start the script with "
-            "`lightning-ft run --replicas R --nproc-per-replica W script.py`, or set LFT_JOB, LFT_REPLICA_ID, "
-            "LFT_NUM_REPLICAS, LFT_ETCD, LFT_SECRET, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT per process "
-            "(README, multi-node)")
-    return v
+def _replica_env() -> Any:
+    """Who this process is (launch/environment.py), or FTHSDPError saying how to launch."""
+    from lightning_ft.launch.environment import LaunchEnvError, replica_env
+
+    try:
+        return replica_env(os.environ)
+    except LaunchEnvError as e:
+        raise FTHSDPError(f"strategy='ft_hsdp': {e}") from None
 
 
 class FTHSDPStrategy(ModelParallelStrategy):
@@ -79,9 +78,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def __init__(self, config: Optional[str] = None, overrides: Sequence[str] = (),
                  shard_layers: Optional[Sequence[Union[type, str]]] = None, lr_intervention: Optional[str] = None,
                  data_seed: Optional[int] = None, overlap: bool = True, **kwargs: Any) -> None:
+        from lightning_ft.strategy.environment import ReplicaEnvironment
+
+        self._renv = _replica_env()  # fail at Trainer(...) with how to launch, not deep inside fit()
         super().__init__(**kwargs)
-        for name in ("LFT_JOB", "LFT_REPLICA_ID", "LFT_NUM_REPLICAS", "LFT_ETCD", "LFT_SECRET"):
-            _env(name)  # fail at Trainer(...) with how to launch, not deep inside fit()
+        self.cluster_environment = ReplicaEnvironment(self._renv)
+        self._secret = ""
         self._config_path = config
         self._overrides = list(overrides)
         self.shard_layers = list(shard_layers) if shard_layers is not None else None
@@ -109,15 +111,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
     def rid(self) -> int:
-        return int(_env("LFT_REPLICA_ID"))
+        return self._renv.replica_id
 
     @property
     def num_replicas(self) -> int:
-        return int(_env("LFT_NUM_REPLICAS"))
+        return self._renv.num_replicas
 
     @property
     def incarnation(self) -> int:
-        return int(os.environ.get("LFT_INCARNATION", "0"))
+        return self._renv.incarnation
 
     @property  # type: ignore[override]
     def parallel_devices(self) -> Optional[list[torch.device]]:
@@ -126,7 +128,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @parallel_devices.setter
     def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
         # The replica's size comes from the launcher (WORLD_SIZE), not from Trainer(devices=...).
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = self._renv.world_size
         if devices and devices[0].type == "cuda":
             self._ft_devices = [torch.device("cuda", i % max(1, torch.cuda.device_count())) for i in range(world)]
         else:
@@ -145,6 +147,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         world = len(self.parallel_devices or [None])
         self._data_parallel_size, self._tensor_parallel_size = world, 1
         self.cfg = self.load_ft_config()
+        from lightning_ft.secret import SecretError, resolve
+
+        try:
+            self._secret = resolve(self.cfg.secret)
+        except SecretError as e:
+            raise FTHSDPError(f"strategy='ft_hsdp', replica {self.rid}: {e}") from None
+        if self._renv.launcher == "torchrun" and not dist.is_initialized():  # Lightning then keeps this group
+            from lightning_ft.launch.environment import init_torchrun_group
+
+            init_torchrun_group(self._renv, self._get_process_group_backend(),
+                                self._timeout.total_seconds() if self._timeout else 1800.0)
         super().setup_environment()
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
             self._fit_started = True
@@ -192,13 +205,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """A replica (re)started after the job finished leaves before any user hook runs (no
         `setup`, no `on_train_end` on untrained weights)."""
         from lightning_ft.coord import keys
-        from lightning_ft.coord.store import EtcdStore
+        from lightning_ft.coord.runs import current_run
+        from lightning_ft.coord.store import store_from_config
+        from lightning_ft.secret import tag
 
         done = None
         if self.global_rank == 0:
-            store = EtcdStore(_env("LFT_ETCD"))
+            env = self._renv
+            store = store_from_config(self.cfg.etcd, env.etcd)
             try:
-                kv = store.get(keys.finished(keys.root(self.cfg.etcd.prefix, _env("LFT_JOB"))))
+                run = current_run(store, self.cfg.etcd.prefix, env.job, tag(self._secret, env.job), env.run_id)
+                kv = store.get(keys.finished(keys.root(self.cfg.etcd.prefix, env.job, run))) if run else None
                 done = kv.value.decode() if kv else None
             finally:
                 store.close()
@@ -256,10 +273,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         # collectives run on the default group.
         pg = dist.new_group(backend="gloo") if world > 1 else None
         self.mgr = ReplicaManager.from_config(
-            self.lightning_module, self.optimizers[0], cfg, job=_env("LFT_JOB"), rid=self.rid,
-            incarnation=self.incarnation, num_replicas=self.num_replicas, secret=_env("LFT_SECRET"),
-            etcd=_env("LFT_ETCD"), rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
-            run_dir=os.environ.get("LFT_RUN_DIR", ""))
+            self.lightning_module, self.optimizers[0], cfg, job=self._renv.job, rid=self.rid,
+            incarnation=self.incarnation, num_replicas=self.num_replicas, secret=self._secret,
+            etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
+            run_dir=self._renv.run_dir, run_id=self._renv.run_id)
         self.mgr.on_commit = self._on_commit
         resume = os.environ.get("LFT_RESUME")
         if resume:

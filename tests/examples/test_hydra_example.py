@@ -18,7 +18,7 @@ import yaml
 
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.replica.data import read_cursors, verify_ledger
-from tests.strategy.runs import Run, ok
+from tests.strategy.runs import Run, ok, run_root
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 APP = os.path.abspath(os.path.join(ROOT, "examples", "hydra", "src", "train.py"))
@@ -87,7 +87,7 @@ def test_hydra_example_two_replicas_sigkill_mid_step(tmp_path, etcd_endpoint, pr
     assert finals[0]["step"] == finals[1]["step"] == STEPS and finals[1]["incarnation"] == 1
     store = EtcdStore(etcd_endpoint)
     try:
-        root = f"/lft/{job}/"
+        root = run_root(store, job)
         ledger = verify_ledger(store, root, read_cursors(store, root, range(2)))
         fingerprint = json.loads(store.get(root + "config").value)
     finally:

@@ -10,7 +10,7 @@ or `*`. ACTIONs:
     sleep                   sleep until killed
     ignore_term             ignore SIGTERM, start a grandchild `sleep` (pid in OUT_DIR/...grandchild), sleep
     member:HOLD_MS:THEN:RATE
-                            put /lft/{job}/members/{rid} bound to a 1 s lease, reporting step
+                            put the run's members/{rid} bound to a 1 s lease, reporting step
                             RATE * seconds so far; keep it alive for HOLD_MS ms (-1: forever), then
                             THEN = `hang` (stop the keepalive, sleep) or `revoke` (revoke, exit 0 after 0.3 s)
 """
@@ -56,7 +56,9 @@ def _member(rid: int, inc: int, hold_ms: int, then: str, rate: float) -> None:
     from lightning_ft.coord.store import EtcdStore
 
     store = EtcdStore(os.environ["LFT_ETCD"], connect_timeout_s=5)
-    key = f"/lft/{os.environ['LFT_JOB']}/members/{rid}"
+    from lightning_ft.coord import keys
+
+    key = keys.members(keys.root("/lft", os.environ["LFT_JOB"], os.environ.get("LFT_RUN_ID", "")), rid)
     lease = store.lease_grant(1)
     t0 = time.monotonic()
     while hold_ms < 0 or time.monotonic() - t0 < hold_ms / 1000:

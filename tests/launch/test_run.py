@@ -49,11 +49,14 @@ def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
 
 def test_two_launchers_with_disjoint_replica_ids_share_an_external_etcd(tmp_path, etcd_endpoint):
     job = "mn" + uuid.uuid4().hex[:6]
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("shared-by-both-launchers-0123\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "LFT_SECRET"}, "LFT_SECRET_FILE": str(secret_file)}
     procs = [subprocess.Popen([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2",
                                "--nproc-per-replica", "1", "--etcd", etcd_endpoint, "--replica-ids", str(rid),
                                "--job", job, "--run-dir", str(tmp_path / f"node{rid}"), "--no-status",
-                               "--timeout", "200", LOOP, *LOOP_ARGS, "--steps", "30", "secret=shared"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rid in (0, 1)]
+                               "--timeout", "200", LOOP, *LOOP_ARGS, "--steps", "30"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rid in (0, 1)]
     try:
         for p in procs:
             out, err = p.communicate(timeout=240)
@@ -73,7 +76,7 @@ def test_run_rejects_an_unknown_override_by_name(tmp_path):
 
 
 def test_multi_node_launch_without_a_shared_secret_is_refused(tmp_path, etcd_endpoint):
-    env = {k: v for k, v in os.environ.items() if k != "LFT_SECRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("LFT_SECRET", "LFT_SECRET_FILE")}
     r = subprocess.run([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd",
                         etcd_endpoint, "--replica-ids", "0", "--no-status", LOOP], capture_output=True, text=True,
                        timeout=60, env=env)

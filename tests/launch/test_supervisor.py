@@ -110,6 +110,7 @@ def test_env_of_two_replicas_of_two_ranks(make):
             "MASTER_ADDR": "127.0.0.1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
             "LOCAL_WORLD_SIZE": "2"}
         assert env["PATH"] == os.environ["PATH"]  # the parent's environment is passed on
+        assert env["LFT_RUN_ID"] == sup.run_id and sup.root.endswith(f"/runs/{sup.run_id}/")
     ports = {rid: {envs[rid, 0]["MASTER_PORT"], envs[rid, 1]["MASTER_PORT"]} for rid in (0, 1)}
     assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # one port per replica
     assert sorted(p.name for p in (make.run_dir / "logs").iterdir()) == [
@@ -127,10 +128,10 @@ def test_extra_env_is_passed_to_every_process(make):
 
 def test_crash_kills_replica_evicts_within_200ms_and_restarts(make, store):
     sup = make("1:0:1=exit:3:500", restart_delay_s=0.5)
-    key = f"/lft/{make.job}/evict/1/0"
     seen: dict[str, float] = {}
 
     def watch_key() -> None:
+        key = f"{sup.root}evict/1/0"  # the run's keyspace, known once the supervisor started
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and store.get(key) is None:
             time.sleep(0.005)
@@ -143,6 +144,7 @@ def test_crash_kills_replica_evicts_within_200ms_and_restarts(make, store):
     assert sup.run(until=lambda: status(sup, 1)["state"] == "running" and status(sup, 1)["incarnation"] == 1,
                    timeout_s=15) == 0
     watcher.join(15)
+    key = f"{sup.root}evict/1/0"
     exited_at = float((make.out / "r1.i0.rank1.exit").read_text())
     assert seen["t"] - exited_at < 0.2, f"eviction visible {seen['t'] - exited_at:.3f}s after the exit"
     assert store.get(key).value == b"rank 1 exited with 3"
@@ -165,7 +167,7 @@ def test_sigkill_of_one_rank_evicts_with_the_signal(make, store):
     pids = status(sup, 0)["pids"]
     os.kill(pids[1], signal.SIGKILL)
     wait_for(lambda: status(sup, 0)["incarnation"] == 1, 10, "the restart", poll=sup.poll)
-    assert store.get(f"/lft/{make.job}/evict/0/0").value == b"rank 1 exited with -9"
+    assert store.get(f"{sup.root}evict/0/0").value == b"rank 1 exited with -9"
     assert not alive(pids[0]) and not alive(pids[1])
 
 
@@ -178,7 +180,7 @@ def test_max_restarts_gives_up(make, store):
         ("restart", 2), ("exit", 2), ("evict", 2), ("give_up", 2)]
     assert "max_restarts=2" in events(make.run_dir)[-1]["reason"]
     assert status(sup, 0)["state"] == "failed" and status(sup, 0)["restarts"] == 2
-    kvs, _ = store.get_prefix(f"/lft/{make.job}/evict/0/")
+    kvs, _ = store.get_prefix(f"{sup.root}evict/0/")
     assert [kv.key.rsplit("/", 1)[1] for kv in kvs] == ["0", "1", "2"]
 
 
@@ -191,9 +193,9 @@ def test_hang_by_lease_expiry_kills_evicts_and_restarts(make, store):
     ev = events(make.run_dir)
     assert seq(ev) == [("start", 0), ("hang", 0), ("evict", 0), ("restart", 1)]
     assert "vanished (lease expired)" in ev[1]["reason"] and ev[2]["killed_ranks"] == [0, 1]
-    assert store.get(f"/lft/{make.job}/evict/0/0").value.decode() == ev[1]["reason"]
+    assert store.get(f"{sup.root}evict/0/0").value.decode() == ev[1]["reason"]
     # Incarnation 1 keeps its lease alive: it is not taken for hung.
-    wait_for(lambda: store.get(f"/lft/{make.job}/members/0"), 10, "incarnation 1 to register", poll=sup.poll)
+    wait_for(lambda: store.get(f"{sup.root}members/0"), 10, "incarnation 1 to register", poll=sup.poll)
     assert sup.run(timeout_s=2.0) == EXIT_TIMEOUT
     assert status(sup, 0)["incarnation"] == 1 and status(sup, 0)["state"] == "running"
 
@@ -215,9 +217,9 @@ def test_downtime_keeps_replica_down_until_the_job_advances(make, store):
     wait_for(lambda: status(sup, 1)["incarnation"] == 1, 10, "the restart", poll=sup.poll)
     ev = {e["event"]: e for e in events(make.run_dir, 1)}
     assert ev["evict"]["reason"] == "rank 0 exited with -9 (injected kill)"
-    assert store.get(f"/lft/{make.job}/evict/1/0").value == b"rank 0 exited with -9 (injected kill)"
+    assert store.get(f"{sup.root}evict/1/0").value == b"rank 0 exited with -9 (injected kill)"
     assert 0.3 < ev["restart"]["down_s"] < 5
-    reported = json.loads(store.get(f"/lft/{make.job}/members/0").value)["step"]
+    reported = json.loads(store.get(f"{sup.root}members/0").value)["step"]
     assert reported >= ev["restart"]["wait_step"] >= 10
 
 
@@ -239,7 +241,7 @@ def test_shutdown_kills_every_child_and_grandchild_by_pid(make, store):
     wait_for(lambda: not alive(grandchild), 5, "the grandchild to die")
     assert [s["state"] for s in sup.status()] == ["stopped", "stopped"]
     assert seq(events(make.run_dir))[-2:] == [("shutdown", 0), ("shutdown", 0)]
-    assert store.get(f"/lft/{make.job}/evict/1/0").value == b"supervisor shut down"
+    assert store.get(f"{sup.root}evict/1/0").value == b"supervisor shut down"
     sup.shutdown()  # idempotent
 
 
@@ -276,8 +278,9 @@ def test_two_supervisors_with_disjoint_replica_ids_share_one_job(make, store):
     wait_for(lambda: status(b, 1)["incarnation"] == 1, 15, "replica 1 to restart", poll=poll_both)
     assert [s["rid"] for s in a.status()] == [0] and [s["rid"] for s in b.status()] == [1]
     assert status(a, 0)["incarnation"] == 0 and status(a, 0)["restarts"] == 0
-    assert store.get(f"/lft/{make.job}/evict/1/0").value == b"rank 1 exited with 3"
-    members = f"/lft/{make.job}/members/"
+    assert a.root == b.root and a.run_id == b.run_id, "the second launcher joins the first one's run"
+    assert store.get(f"{a.root}evict/1/0").value == b"rank 1 exited with 3"
+    members = f"{a.root}members/"
     wait_for(lambda: [json.loads(kv.value)["incarnation"] for kv in store.get_prefix(members)[0]] == [0, 1],
              15, "both replicas registered with their incarnations", poll=poll_both)
     for rid, sup in ((0, a), (1, b)):

@@ -294,3 +294,127 @@ def test_errors_say_whether_the_version_may_still_be_published():
         assert newer.value.server_version == 2 and not newer.value.not_yet_published(1)
     finally:
         server.close()
+
+
+# -- authenticated responses (issue 10 §3) ----------------------------------------------------------
+
+
+def test_refusal_before_authentication_says_nothing_more(server):
+    server.publish(3, _state(), {})
+    host, port = server.address.split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=5)
+    c.request("GET", "/state/3", headers={"X-LFT-Fetcher": "f", "X-LFT-Nonce": "n", "X-LFT-Time": "1",
+                                          "X-LFT-Auth": "00"})
+    r = c.getresponse()
+    assert r.status == 401 and r.read() == b'{"error": "authentication failed", "version": null}'
+    c.close()  # HTTP/1.0: one request per connection
+    c = http.client.HTTPConnection(host, int(port), timeout=5)
+    c.request("GET", "/etc/passwd")
+    r = c.getresponse()
+    assert r.status == 400 and r.read() == b'{"error": "bad request", "version": null}'
+
+
+def test_a_server_without_the_secret_never_writes_into_the_fetcher(monkeypatch):
+    """An impostor that answers any request (it skips request authentication) but does not
+    hold the secret: the header MAC fails before one tensor byte is written."""
+    impostor = StateServer(b"not-the-job-secret", name="impostor")
+    monkeypatch.setattr(impostor, "_check_auth", lambda version, headers: ("anyone", ""))
+    try:
+        state = _state()
+        impostor.publish(3, state, {"step": 3})
+        into = _like(state)
+        before = {n: t.clone() for n, t in into.items()}
+        with pytest.raises(CatchupError, match="not authentic \\(header MAC mismatch\\)") as e:
+            fetch_state(impostor.address, 3, into, SECRET, "r1/rank0")
+        assert not e.value.partial and _bitwise_equal(into, before)
+        assert impostor.completed() == set(), "no ACK"
+    finally:
+        impostor.close()
+
+
+class _Tamper:
+    """A TCP proxy that flips one byte of the server's response at `offset` (counted from the
+    first byte of the body, after the HTTP headers)."""
+
+    def __init__(self, upstream: str, offset: int) -> None:
+        self.upstream, self.offset = upstream, offset
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._forward()
+        except OSError:  # the fetcher hung up after refusing the response
+            pass
+
+    def _forward(self) -> None:
+        client, _ = self.sock.accept()
+        host, port = self.upstream.split(":")
+        up = socket.create_connection((host, int(port)))
+        threading.Thread(target=self._pipe, args=(client, up), daemon=True).start()
+        seen, buf = -1, b""
+        while True:
+            data = up.recv(1 << 16)
+            if not data:
+                break
+            if seen < 0:
+                buf += data
+                if b"\r\n\r\n" not in buf:
+                    continue
+                head, _, data = buf.partition(b"\r\n\r\n")
+                client.sendall(head + b"\r\n\r\n")
+                seen = 0
+            data = bytearray(data)
+            if seen <= self.offset < seen + len(data):
+                data[self.offset - seen] ^= 0x01
+            seen += len(data)
+            client.sendall(data)
+        client.close()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("where", ["header", "tensor"])
+def test_a_response_altered_in_flight_is_refused(server, where):
+    state = _state()
+    server.publish(3, state, {"step": 3})
+    header_len = len(server._pub.header)
+    offset = 20 if where == "header" else header_len + 16 + 100  # inside the header / inside tensor w32
+    proxy = _Tamper(server.address, offset)
+    into = _like(state)
+    with pytest.raises(CatchupError) as e:
+        fetch_state(proxy.address, 3, into, SECRET, "r1/rank0")
+    if where == "header":
+        assert "header MAC mismatch" in str(e.value) and not e.value.partial
+    else:  # the tensor bytes were written, but never acknowledged nor to be used: the replica restarts
+        assert "body MAC mismatch" in str(e.value) and e.value.partial
+    assert server.completed() == set()
+
+
+def test_only_known_meta_keys_are_applied(server):
+    from lightning_ft.replica.catchup import check_meta
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    theirs = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    theirs[0].update(lr=5e-4, betas=[0.8, 0.9], evil="rm -rf /", params=[99])
+    meta = {"step": 7, "param_groups": theirs, "scheduler": None, "exec": "code"}
+    state = _state()
+    server.publish(7, state, meta)
+    got, _ = fetch_state(server.address, 7, _like(state), SECRET, "r1/rank0", param_groups=opt.param_groups)
+    assert set(got) == {"step", "param_groups", "scheduler"}
+    assert got["param_groups"][0]["lr"] == 5e-4 and got["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert "evil" not in got["param_groups"][0] and "params" not in got["param_groups"][0]
+    for bad, needle in (({"param_groups": []}, "has 0 param groups, ours 1"),
+                        ({"param_groups": [{"lr": "fast"}]}, "key 'lr': server sent 'fast'"),
+                        ({"param_groups": [{"betas": 0.9}]}, "key 'betas'"),
+                        ({"param_groups": theirs, "step": "7"}, "not an integer"),
+                        ([1, 2], "not a mapping")):
+        with pytest.raises(CatchupError, match=needle):
+            check_meta(bad, opt.param_groups)

@@ -71,11 +71,21 @@ def collect(run_dir: str, job: str, etcd_endpoint: str, replicas: int, proc) -> 
         run.events = [json.loads(l) for l in open(ev)]
     store = EtcdStore(etcd_endpoint)
     try:
-        root = f"/lft/{job}/"
+        root = run_root(store, job)
         run.ledger = verify_ledger(store, root, read_cursors(store, root, range(replicas)))
     finally:
         store.close()
     return run
+
+
+def run_root(store, job: str, prefix: str = "/lft") -> str:
+    """The keyspace of the job's current run (coord/runs.py)."""
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.runs import recorded_run
+
+    record = recorded_run(store, prefix, job)
+    assert record is not None, f"job {job!r} recorded no run"
+    return keys.root(prefix, job, record.id)
 
 
 def ok(run: Run) -> str:

@@ -8,12 +8,20 @@ JSON), a mutual proof of the job secret, then the choice of the link's kind:
   dialer -> acceptor  {mac = HMAC("dialer", nonce_a, job, epoch, replica, rank, index)}
   acceptor -> dialer  {ok, link, desc} | {error}     kind chosen, receive slots registered
   dialer -> acceptor  {ok, desc} | {error}           attached to them (mapped / QP connected)
-A wrong job, secret, rank, link kind or a stale epoch is refused with the reason; accepted
-links are parked by (epoch, index) until `connect` for that epoch takes them. The same
-listener takes abort requests from our replica's leader (`abort_peer`).
+A peer that fails to prove the secret (which also covers another job: the MACs name the
+job) is told only "authentication failed"; we log why. A wrong rank, link kind or a stale
+epoch is refused with the reason once the peer has authenticated. Accepted links are parked by
+(epoch, index) until `connect` for that epoch takes them. The same listener takes abort
+requests from our replica's leader and the job's members (`abort_peer`).
+
+Caps against hostile or broken peers: handshake messages of at most HANDSHAKE_MAX_BYTES, a
+whole handshake within HANDSHAKE_TIMEOUT_S, at most MAX_HANDSHAKES handshakes at once (more
+connections are closed unread), FATAL messages read up to FATAL_MAX_BYTES (tcp.py). MACs
+compare in constant time.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -31,6 +39,11 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 HANDSHAKE_TIMEOUT_S = 5.0
+"""A whole handshake (every message of it) must complete within this."""
+HANDSHAKE_MAX_BYTES = 4096
+MAX_HANDSHAKES = 32
+"""Handshakes in progress at once on one listener; further connections are closed unread."""
+FATAL_MAX_BYTES = 4096
 
 
 def send_msg(sock: socket.socket, obj: dict) -> None:
@@ -38,23 +51,41 @@ def send_msg(sock: socket.socket, obj: dict) -> None:
     sock.sendall(_LEN.pack(len(raw)) + raw)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"handshake not complete within {HANDSHAKE_TIMEOUT_S:g} s")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise socket.timeout(f"handshake not complete within {HANDSHAKE_TIMEOUT_S:g} s") from None
         if k == 0:
             raise ConnectionResetError("peer closed the connection")
         got += k
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > 1 << 16:
-        raise ConnectionError(f"handshake message too large ({n} bytes)")
-    return json.loads(_recv_exact(sock, n))
+def recv_msg(sock: socket.socket, deadline: Optional[float] = None) -> dict:
+    """One handshake message: at most HANDSHAKE_MAX_BYTES, a JSON object, by `deadline`."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    if n > HANDSHAKE_MAX_BYTES:
+        raise ConnectionError(f"handshake message too large ({n} bytes, limit {HANDSHAKE_MAX_BYTES})")
+    msg = json.loads(_recv_exact(sock, n, deadline))
+    if not isinstance(msg, dict):
+        raise ValueError("handshake message is not a JSON object")
+    return msg
+
+
+def _same_mac(want: str, got: object) -> bool:
+    return hmac.compare_digest(want.encode(), str(got).encode())
 
 
 def set_kernel_timeout(sock: socket.socket, opt: int, seconds: float) -> None:
@@ -109,25 +140,41 @@ class Endpoint:
         self._sock.bind((bind_host, 0))
         self._sock.listen(64)
         self.address = f"{bind_host}:{self._sock.getsockname()[1]}"
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         threading.Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
 
     # -- acceptor side ------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
+            if not self._slots.acquire(blocking=False):  # a connection flood: keep serving the ones we have
+                self._note(f"{peer[0]}: more than {MAX_HANDSHAKES} handshakes at once; connection closed")
+                close_socket(conn)
+                continue
+            threading.Thread(target=self._handshake_slot, args=(conn,), daemon=True).start()
 
-    def _refuse(self, conn: socket.socket, reason: str) -> None:
+    def _handshake_slot(self, conn: socket.socket) -> None:
+        try:
+            self._handshake(conn)
+        finally:
+            self._slots.release()
+
+    def _note(self, reason: str) -> None:
         with self._cv:
             self.refusals.append(reason)
             del self.refusals[:-16]
             self._cv.notify_all()
         log.warning("FTAR r%d/rank%d refused a connection: %s", self.ident.replica, self.ident.rank, reason)
+
+    def _refuse(self, conn: socket.socket, reason: str, told: str = "") -> None:
+        """Refuse with `reason` in our log; the peer is told `told` (default: the reason, for a
+        peer that proved the secret)."""
+        self._note(reason)
         try:
-            send_msg(conn, {"ok": False, "error": reason})
+            send_msg(conn, {"ok": False, "error": told or reason})
         except OSError:
             pass
         close_socket(conn)
@@ -135,28 +182,35 @@ class Endpoint:
     def _handshake(self, conn: socket.socket) -> None:
         me = self.ident
         state, kind = None, None
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        who = "a peer"
+        authenticated = False
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            hello = recv_msg(conn)
-            who = f"replica {hello.get('replica')} rank {hello.get('rank')}"
-            epoch, index = int(hello["epoch"]), int(hello["index"])
+            hello = recv_msg(conn, deadline)
+            who = f"replica {hello.get('replica')!r} rank {hello.get('rank')!r} of job {str(hello.get('job'))[:64]!r}"
             if hello.get("job") != me.job:
-                return self._refuse(conn, f"{who}: job mismatch ({hello.get('job')!r} != {me.job!r})")
+                who += f" (job mismatch: we are {me.job!r})"
+            epoch, index = int(hello["epoch"]), int(hello["index"])
+            replica, rank, nonce_d = int(hello["replica"]), int(hello["rank"]), str(hello["nonce"])
+            # Everyone gets the same challenge: nothing about us is revealed before the peer
+            # proves the job secret (another job fails the proof too: the MACs name the job).
+            nonce_a = os.urandom(16).hex()
+            send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
+                            "mac": mac(me.secret, "acceptor", nonce_d, me.job, epoch, me.replica, me.rank)})
+            proof = recv_msg(conn, deadline)
+            if not _same_mac(mac(me.secret, "dialer", nonce_a, me.job, epoch, replica, rank, index), proof.get("mac", "")):
+                why = "" if hello.get("job") != me.job else " (wrong job secret)"
+                return self._refuse(conn, f"{who}: authentication failed{why}", told="authentication failed")
+            authenticated = True
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)  # the link kind's own setup steps
             # An abort may come from our replica's leader (a failure it saw), or from any member
-            # of the job going to a full round while we may be in a steady one; it proves the job
-            # secret like any connection, and an abort about an older epoch is ignored.
+            # of the job going to a full round while we may be in a steady one; an abort about
+            # an older epoch is ignored.
             control = hello.get("purpose") == "abort"
-            if not control and int(hello.get("rank", -1)) != me.rank:
+            if not control and rank != me.rank:
                 return self._refuse(conn, f"{who}: rank mismatch (ring of rank {me.rank})")
             if not control and epoch < self._min_epoch:
                 return self._refuse(conn, f"{who}: stale epoch {epoch} < {self._min_epoch}")
-            nonce_a = os.urandom(16).hex()
-            send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
-                            "mac": mac(me.secret, "acceptor", hello["nonce"], me.job, epoch, me.replica, me.rank)})
-            proof = recv_msg(conn)
-            want = mac(me.secret, "dialer", nonce_a, me.job, epoch, hello["replica"], hello["rank"], index)
-            if proof.get("mac") != want:
-                return self._refuse(conn, f"{who}: authentication failed (wrong job secret)")
             if control:
                 send_msg(conn, {"ok": True})
                 close_socket(conn)
@@ -169,7 +223,7 @@ class Endpoint:
             peer = f"replica {hello['replica']} (left neighbour)"
             state, desc = self._kinds[kind].accept(conn, epoch, peer, hello.get("offer", {}).get(kind, {}))
             send_msg(conn, {"ok": True, "link": kind, "desc": desc})
-            confirm = recv_msg(conn)
+            confirm = recv_msg(conn, time.monotonic() + HANDSHAKE_TIMEOUT_S)  # slots registered: a new deadline
             if not confirm.get("ok"):
                 raise ConnectionError(f"the left neighbour could not attach: {confirm.get('error')}")
             _tune(conn)
@@ -189,7 +243,9 @@ class Endpoint:
         except (OSError, ValueError, KeyError, TypeError, SetupError) as e:
             if state is not None and kind is not None:
                 self._kinds[kind].discard(state)
-            self._refuse(conn, f"handshake failed: {type(e).__name__}: {e}")
+            # before authentication, say nothing
+            self._refuse(conn, f"{who}: handshake failed: {type(e).__name__}: {e}",
+                         told="" if authenticated else "authentication failed")
 
     def _take(self, epoch: int, index: int, deadline: float) -> RxLink:
         with self._cv:
@@ -215,23 +271,24 @@ class Endpoint:
             sock = None
             try:
                 sock = socket.create_connection((host, int(port)), timeout=max(0.05, deadline - time.monotonic()))
-                sock.settimeout(min(HANDSHAKE_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
+                hs_deadline = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S)
                 nonce = os.urandom(16).hex()
                 hello = {"job": me.job, "epoch": epoch, "replica": me.replica, "rank": me.rank, "index": index,
                          "nonce": nonce, **(extra or {})}
                 if extra is None:
                     hello.update(links=self.kinds, host=self.host, offer={k: v.offer() for k, v in self._kinds.items()})
                 send_msg(sock, hello)
-                reply = recv_msg(sock)
+                reply = recv_msg(sock, hs_deadline)
                 if not reply.get("ok"):
-                    raise _Refused(reply.get("error", "refused"))
-                if reply.get("mac") != mac(me.secret, "acceptor", nonce, me.job, epoch, reply["replica"], reply["rank"]):
-                    raise _Refused("acceptor failed authentication (wrong job secret)")
+                    raise _Refused(str(reply.get("error", "refused"))[:512])
+                if not _same_mac(mac(me.secret, "acceptor", nonce, me.job, epoch, reply["replica"], reply["rank"]),
+                                 reply.get("mac", "")):
+                    raise _Refused("the acceptor failed authentication (another job, or a wrong job secret)")
                 send_msg(sock, {"mac": mac(me.secret, "dialer", reply["nonce"], me.job, epoch, me.replica, me.rank,
                                            index)})
-                final = recv_msg(sock)
+                final = recv_msg(sock, time.monotonic() + HANDSHAKE_TIMEOUT_S)  # the acceptor sets up its slots
                 if not final.get("ok"):
-                    raise _Refused(final.get("error", "refused"))
+                    raise _Refused(str(final.get("error", "refused"))[:512])
                 sock.settimeout(None)
                 _tune(sock)
                 return sock, final
@@ -277,7 +334,10 @@ class Endpoint:
             return
         deadline = time.monotonic() + timeout_s
         self.tx = self._dial_link(right, epoch, index, deadline)
-        self.rx = self._take(epoch, (index - 1) % n, deadline)
+        try:
+            self.rx = self._take(epoch, (index - 1) % n, deadline)
+        except RecoverableError as e:  # name the neighbour that did not come, so that the quorum can blame it
+            raise RecoverableError(left, e.reason) from None
         line = f"epoch {epoch} to the right neighbour {right}: {self.tx.kind}"
         self.choices = [c for c in self.choices if c.startswith(f"epoch {epoch} from")] + [line]
         msg = (f"FTAR r{self.ident.replica}/rank{self.ident.rank} links (ftar.transport={self.transport}): "

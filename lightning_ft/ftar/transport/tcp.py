@@ -19,7 +19,7 @@ import torch
 
 from .base import (HEADER_SIZE, KIND_DATA, KIND_FATAL, ChunkHeader, FatalError, LinkContext, LinkKind,
                    RecoverableError, RxLink, TxLink, byte_view, close_socket, shutdown)
-from .endpoint import set_kernel_timeout
+from .endpoint import FATAL_MAX_BYTES, set_kernel_timeout
 
 
 class TcpKind(LinkKind):
@@ -151,7 +151,7 @@ class TcpTx(TxLink):
     def send_fatal(self, hdr: ChunkHeader, message: str) -> None:
         if not self._thread.is_alive():
             return
-        raw = message.encode()[:4096]
+        raw = message.encode()[:FATAL_MAX_BYTES]
         fatal = ChunkHeader(KIND_FATAL, hdr.job, hdr.epoch, hdr.seq, hdr.partition, hdr.step, hdr.chunk, hdr.dtype,
                             len(raw), hdr.total_numel)
         self._queue.put((fatal.pack(), memoryview(raw)))
@@ -231,8 +231,12 @@ class TcpRx(RxLink):
                 got = HEADER_SIZE
             hdr = ChunkHeader.unpack(bytes(self._head))
             if hdr.kind == KIND_FATAL:
-                msg = bytes(body[:got - HEADER_SIZE])
-                raise FatalError((msg + _drain(sock, hdr.nbytes - len(msg))).decode(errors="replace"))
+                # never read (or allocate) beyond the cap, whatever the header claims
+                want_n = min(hdr.nbytes, FATAL_MAX_BYTES)
+                msg = bytes(body[:min(got - HEADER_SIZE, want_n)])
+                msg += _drain(sock, want_n - len(msg))
+                cut = f" [{hdr.nbytes - len(msg)} more bytes not read]" if hdr.nbytes > len(msg) else ""
+                raise FatalError(msg.decode(errors="replace") + cut)
             if hdr.kind != KIND_DATA:
                 raise FatalError(f"bad chunk kind {hdr.kind} from the {self.peer}")
             if hdr != want:
