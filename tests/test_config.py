@@ -74,7 +74,7 @@ def test_every_config_field_has_a_docstring_right_below_it():
                 if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                         and isinstance(nxt.value.value, str)):
                     undocumented.append(f"{cls.name}.{stmt.target.id}")
-    assert sorted(c.name for c in classes) == ["CheckpointConfig", "ConsistencyConfig", "EtcdConfig", "FTARConfig",
+    assert sorted(c.name for c in classes) == ["CheckpointConfig", "ConsistencyConfig", "DataConfig", "EtcdConfig", "FTARConfig",
                                                "FTConfig", "FailureConfig", "FailureEvent", "NetworkConfig",
                                                "QuorumConfig", "SupervisorConfig"]
     assert undocumented == []
