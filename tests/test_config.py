@@ -93,7 +93,8 @@ def test_to_yaml_round_trips_and_redacts_the_secret(tmp_path):
 def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
     cfg = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2"])
     assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2,
-                                "bucket_bytes": 4 << 20}
+                                "bucket_bytes": 4 << 20, "digest_every": 10, "checkpoint_every": 100,
+                                "batch_policy": "shrink"}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                    "seed=3", "ftar.num_chunks=8", "run_dir=/tmp/x"])
     assert fingerprint(other) == fingerprint(cfg)
