@@ -273,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--no-png", action="store_true")
     rep.add_argument("--json", action="store_true", help="print the summary as JSON")
     rep.set_defaults(fn=_cmd_report)
+    from lightning_ft.study.__main__ import DESCRIPTION, add_arguments
+
+    st = sub.add_parser("study", help="the MoE accuracy study with injected failures", description=DESCRIPTION)
+    add_arguments(st)
+    st.set_defaults(fn=_cmd_study)
     return p
 
 
@@ -280,6 +285,12 @@ def _cmd_report(a: argparse.Namespace) -> int:
     from lightning_ft.report import main as report_main
 
     return report_main([a.run_dir] + (["--no-png"] if a.no_png else []) + (["--json"] if a.json else []))
+
+
+def _cmd_study(a: argparse.Namespace) -> int:
+    from lightning_ft.study.__main__ import run
+
+    return run(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -352,6 +352,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().on_validation_end()
         if self.mgr is not None:
             self._reducer.end()
+            # The shards follow the live replicas, but Lightning keeps the loader (and its batch
+            # count) of the first validation: with fewer replicas it would stop each shard early
+            # and evaluate part of the set. Rebuild it at the next validation.
+            self.lightning_module.trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
