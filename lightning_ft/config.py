@@ -31,6 +31,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 LR_INTERVENTIONS = ("none", "linear", "sqrt")
+BATCH_POLICIES = ("shrink", "constant")
 """How the learning rate follows the fraction x = contributors / R of healthy replicas (DESIGN §5)."""
 TRANSPORTS = ("tcp", "rdma", "shm", "auto")
 """FTAR transports (DESIGN §4): ring links over TCP, RDMA (pyverbs), or shared memory
@@ -245,6 +246,10 @@ class FTConfig:
     Prefer the file: a value here ends up in shell history."""
     lr_intervention: str = "sqrt"
     """LR factor f(x), x = contributors / R: "none" (1), "linear" (x) or "sqrt" (sqrt(x))."""
+    batch_policy: str = "shrink"
+    """While replicas are down: "shrink" (the global batch shrinks to the contributors' slots;
+    the others' batches wait for them) or "constant" (contributors also train the absent
+    slots' batches, so every step trains R slot batches; x = 1). replica/batch_policy.py."""
     run_dir: str = "runs/latest"
     """Directory for events.jsonl, cursors, logs and (by default) checkpoints."""
     seed: int = 0
@@ -363,6 +368,7 @@ def fingerprint(cfg: Any) -> dict[str, Any]:
         "lr_intervention": str(cfg.lr_intervention),
         "digest_every": int(cfg.consistency.every_n_steps),
         "checkpoint_every": int(cfg.checkpoint.every_n_steps),
+        "batch_policy": str(cfg.batch_policy),
     }
 
 
@@ -405,6 +411,7 @@ def validate(cfg: Any) -> None:
     if not 1 <= cfg.min_replicas <= max(cfg.replicas, 1):
         bad("min_replicas", cfg.min_replicas, f"must be between 1 and replicas ({cfg.replicas})")
     choice("lr_intervention", cfg.lr_intervention, LR_INTERVENTIONS)
+    choice("batch_policy", cfg.batch_policy, BATCH_POLICIES)
     if not cfg.run_dir:
         bad("run_dir", cfg.run_dir, "must be a directory path")
     at_least("seed", cfg.seed, 0)

@@ -107,7 +107,8 @@ def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
     cfg = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2"])
     assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2,
                                 "chunk_bytes": 4 << 20, "num_chunks": 4, "bucket_bytes": 4 << 20, "seed": 0,
-                                "lr_intervention": "sqrt", "digest_every": cfg.consistency.every_n_steps, "checkpoint_every": 100}
+                                "lr_intervention": "sqrt", "digest_every": cfg.consistency.every_n_steps, "checkpoint_every": 100,
+                                "batch_policy": "shrink"}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                    "run_dir=/tmp/x", "ftar.timeout_s=9", "etcd.lease_ttl_s=2"])
     assert fingerprint(other) == fingerprint(cfg)  # local knobs may differ

@@ -392,20 +392,25 @@ class Coordinator:
 
     def _history(self, reports: dict[int, Report], previous: Optional[Quorum]) -> History:
         """The job's newest committed step, read only when nobody reports past the previous
-        round's step (otherwise nothing can have been lost), and the published checkpoints."""
-        from lightning_ft.replica.data import recorded
+        round's step (otherwise nothing can have been lost), and the published checkpoints;
+        the slot cursors under batch_policy "constant"."""
+        from lightning_ft.replica.data import read_cursors, recorded
 
+        cursors: dict[int, int] = {}
+        if self.spec.batch_policy == "constant":
+            cursors = read_cursors(self.store, self._root, range(self.spec.replicas),
+                                   previous.gen if previous is not None else None)
         if previous is None:
             from lightning_ft.replica.data import latest_gen
 
-            return History(0, gen=latest_gen(self.store, self._root))
+            return History(0, gen=latest_gen(self.store, self._root), cursors=cursors)
         top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)
         if top > previous.max_step:
-            return History(top)
+            return History(top, cursors=cursors)
         h = previous.max_step + (1 if recorded(self.store, self._root, previous.gen, previous.max_step) else 0)
         kvs, _ = self.store.get_prefix(keys.ckpts(self._root))
         ckpts = tuple((int(d["step"]), str(d["path"])) for d in (json.loads(kv.value) for kv in kvs))
-        return History(h, ckpts)
+        return History(h, ckpts, cursors=cursors)
 
     def _decided(self, round: int, decision: Decision) -> None:
         """We wrote the round's decision: prune old rounds and announce what it did."""

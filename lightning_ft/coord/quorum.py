@@ -41,6 +41,9 @@ Rules, in order:
 12. The epoch stays when the (replica, incarnation) set is unchanged and no member asks for
    a ring reset (`ring_ok=False` after a failed exchange); otherwise it goes up by one.
    FTAR reconfigures when it changes.
+13. Batches. Under batch_policy "constant" a train round carries the cursor of every slot
+   (`slot_cursors`): contributors' as reported, the others' from the ledger (History), so
+   that contributors train the absent slots too (replica/batch_policy.py).
 """
 from __future__ import annotations
 
@@ -146,6 +149,10 @@ class Quorum:
     """Some member asked to stop: every replica stops after committing this round."""
     steady: bool = False
     """Derived by every leader from the previous round without etcd (`steady_next`)."""
+    slot_cursors: tuple[int, ...] = ()
+    """Train rounds under batch_policy "constant": the cursor of every slot 0..R-1 (members'
+    as reported, the others' from the ledger), so contributors can train absent slots
+    (replica/batch_policy.py). Empty otherwise."""
 
     def index(self, rid: int) -> int:
         return self.members.index(rid)
@@ -169,6 +176,7 @@ class Quorum:
         d["addrs"] = tuple(tuple(a) for a in d.get("addrs", ()))
         d["state_addrs"] = tuple(tuple(a) for a in d.get("state_addrs", ()))
         d["cursors"] = tuple(d.get("cursors", ()))
+        d["slot_cursors"] = tuple(d.get("slot_cursors", ()))
         d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
         return cls(**d)
 
@@ -184,6 +192,8 @@ class JobSpec:
     min_replicas: int = 1
     init_timeout_s: float = 10.0
     fingerprint: Mapping[str, object] = field(default_factory=dict)
+    batch_policy: str = "shrink"
+    """"constant": train rounds carry every slot's cursor (`Quorum.slot_cursors`)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,9 @@ class History:
     gen: int = 0
     """The ledger's newest history generation: the generation of a job's first round (after
     a `--resume` in the same keyspace it is the resume's new generation)."""
+    cursors: Mapping[int, int] = field(default_factory=dict)
+    """Slot cursors of the current generation in the ledger (read only under batch_policy
+    "constant"; every previous member recorded its commits before it reported)."""
 
 
 @dataclass(frozen=True)
@@ -376,8 +389,12 @@ def compute_quorum(
         reason += f"; {note}"
     if refused:
         reason += f"; refused {_names(refused)}"
+    slot_cursors: tuple[int, ...] = ()
+    if job.batch_policy == "constant" and kind == TRAIN:
+        slot_cursors = tuple(valid[s].cursor if s in contributors else int(history.cursors.get(s, 0))
+                             for s in range(job.replicas))
     q = Quorum(round=round, epoch=epoch, members=members, incarnations=incs, max_step=max_step,
-               contributors=contributors, lagging=lagging,
+               contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
                addrs=tuple(valid[r].addrs for r in members),
                state_addrs=tuple(valid[r].state_addrs for r in members),
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
@@ -452,8 +469,9 @@ def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
     if not steady_eligible(q):
         return None
     nxt = q.round + 1
+    # Every member trained one batch of its slot; under "constant" so did every absent slot.
     return replace(q, round=nxt, max_step=q.max_step + 1, cursors=tuple(c + 1 for c in q.cursors),
-                   strikes=0, steady=True,
+                   slot_cursors=tuple(c + 1 for c in q.slot_cursors), strikes=0, steady=True,
                    reason=f"round {nxt} epoch {q.epoch}: steady ({len(q.members)} replicas, unchanged since round "
                           f"{q.round}); max_step {q.max_step + 1}")
 

@@ -404,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="effective training time of ft_hsdp and restart-the-world for a job")
     plan_arguments(pl)
     pl.set_defaults(fn=_cmd_plan)
+
+    from lightning_ft.study.__main__ import DESCRIPTION, add_arguments
+
+    st = sub.add_parser("study", help="the MoE accuracy study with injected failures", description=DESCRIPTION)
+    add_arguments(st)
+    st.set_defaults(fn=_cmd_study)
     return p
 
 
@@ -415,6 +421,12 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from lightning_ft.sim.plan import run
+
+    return run(a)
+
+
+def _cmd_study(a: argparse.Namespace) -> int:
+    from lightning_ft.study.__main__ import run
 
     return run(a)
 

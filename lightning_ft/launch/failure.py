@@ -89,6 +89,13 @@ class FailureSchedule:
         self._fired.add(inj)
         return inj
 
+    def downtime(self, replica: int, incarnation: int) -> int:
+        """Steps to keep `replica` down after it failed in `incarnation`: the downtime_steps of
+        its injection number `incarnation` (the one that fires in it, by the firing rule);
+        0 when none is scheduled (restart after the usual delay)."""
+        mine = self._by_replica.get(replica, [])
+        return mine[incarnation].downtime_steps if 0 <= incarnation < len(mine) else 0
+
     def events(self) -> list[Injection]:
         """Every injection, sorted by step (then replica)."""
         return list(self._events)

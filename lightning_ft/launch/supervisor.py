@@ -13,7 +13,9 @@ vanished (lease expired) while the leader process still runs. Then the superviso
 2. writes `{prefix}/{job}/evict/{rid}/{inc}` at once, so the other replicas drop it without
    waiting for its lease to expire,
 3. restarts it with incarnation + 1 after `restart_delay_s`, or, when a downtime is set for
-   the replica, once the job has advanced that many steps; it gives up after `max_restarts`.
+   the replica (`set_downtime`, or the `downtime_steps` of the job config's failure event
+   that fired in the failed incarnation: `env["LFT_CONFIG"]`), once the job has advanced
+   that many steps; it gives up after `max_restarts`.
 
 Every event is one JSON line in `{run_dir}/events.jsonl`; each process logs to
 `{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log`.
@@ -163,6 +165,8 @@ class Supervisor:
         self.run_reason = ""
         """What `start` decided about the run, in words."""
         self._downtime = dict(downtime_steps or {})
+        self._schedule = _failure_schedule(self._extra_env.get("LFT_CONFIG"), replicas)
+        """The job's failure schedule: per-event downtimes (None without a job config)."""
         self._replicas = {rid: _Replica(ReplicaSpec(rid, nproc_per_replica)) for rid in ids}
         self._own_store = store is None
         self._store = store if store is not None else EtcdStore(etcd)
@@ -512,6 +516,8 @@ class Supervisor:
             self._stop_world(rep)
             return
         downtime = self._downtime.get(rep.rid, 0)
+        if downtime <= 0 and self._schedule is not None:
+            downtime = self._schedule.downtime(rep.rid, rep.incarnation)
         if downtime > 0:
             rep.restart_step = self._job_step() + downtime
 
@@ -690,6 +696,19 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
             os.kill(p.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _failure_schedule(config_path: Optional[str], replicas: int) -> Any:
+    """The FailureSchedule of the job config at `config_path`, or None (no config, no events)."""
+    if not config_path or not os.path.exists(config_path):
+        return None
+    from lightning_ft.config import load_config
+    from lightning_ft.launch.failure import FailureSchedule
+
+    cfg = load_config(config_path)
+    if not cfg.failure.events:
+        return None
+    return FailureSchedule.from_config(cfg.failure, replicas)
 
 
 def _peek(p: subprocess.Popen) -> Optional[int]:

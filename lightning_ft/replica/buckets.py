@@ -159,8 +159,8 @@ class GradBuckets:
     def _submit_ready(self, r: Round) -> None:
         """Submit, in canonical order, the buckets whose gradients are all in (lock held)."""
         plan = r.plan
-        if plan is None or not plan.contribute:
-            return
+        if plan is None or not plan.contribute or getattr(plan, "extra", ()):
+            return  # extra slot batches (batch_policy "constant") are computed after this backward
         while r.submitted < len(self.buckets) and r.count[r.submitted] == self.need[r.submitted]:
             self._submit(r, r.submitted, plan)
 

@@ -47,6 +47,7 @@ from lightning_ft.coord.store import Store, store_from_config
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
 from lightning_ft.replica import data as ledger
+from lightning_ft.replica.batch_policy import POLICIES, round_batches
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
 from lightning_ft.replica.state import (combine, fast_digest, materialize_optimizer_state, opt_params,
@@ -91,6 +92,12 @@ class StepPlan:
     lr_factor: float
     batch_index: int
     """The batch of this replica's slot to train (train role only)."""
+    batches: Any = None
+    """Slot -> batch index trained in this round by all contributors (train rounds; the
+    commit's ledger record). None in sync rounds."""
+    extra: tuple[tuple[int, int], ...] = ()
+    """(slot, k) batches of absent slots this replica trains besides its own (batch_policy
+    "constant"; `run_step(extra=...)` computes them)."""
 
     @property
     def contribute(self) -> bool:
@@ -148,9 +155,12 @@ class ReplicaManager:
                  fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
                  sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2,
-                 run_id: str = "") -> None:
+                 run_id: str = "", batch_policy: str = "shrink") -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
+        if batch_policy not in POLICIES:
+            raise ValueError(f"batch_policy {batch_policy!r} is not one of {POLICIES}")
+        self.batch_policy = batch_policy
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         # Captured now, while FSDP2's parameters are the sharded DTensors (see state.py).
         self._named_params = list(model.named_parameters())
@@ -172,7 +182,7 @@ class ReplicaManager:
         fp.update(job=job, replicas=num_replicas, nproc_per_replica=world, chunk_bytes=chunk_bytes,
                   num_chunks=num_chunks, lr_intervention=lr_intervention,
                   secret_tag=secret_tag(secret, job), params=param_layout(self._named_params))
-        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp)
+        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp, batch_policy=batch_policy)
         self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)
         self.hang_timeout_s = hang_timeout_s
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
@@ -237,7 +247,8 @@ class ReplicaManager:
                   bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
                   fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
                   checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg),
-                  etcd_config=cfg.etcd, num_programs=cfg.ftar.num_programs)
+                  etcd_config=cfg.etcd, num_programs=cfg.ftar.num_programs,
+                  batch_policy=cfg.batch_policy)
         kw.update(overrides)
         return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
                    secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
@@ -418,8 +429,13 @@ class ReplicaManager:
                 self._ring_ok, self._blame = False, self._blamed(q, e)
         if role == "train" and q.lagging:
             self._publish_snapshot(q)
-        plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=len(q.contributors),
-                        lr_factor=lr_factor(self.lr_mode, len(q.contributors), self.R), batch_index=self.cursor)
+        rb = None if q.kind != "train" else round_batches(
+            self.batch_policy, q.contributors, {c: q.cursor_of(c) for c in q.contributors}, self.R, q.slot_cursors)
+        trained = rb.divisor if rb is not None else len(q.contributors)
+        plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=trained,
+                        lr_factor=lr_factor(self.lr_mode, trained, self.R), batch_index=self.cursor,
+                        batches=rb.batches if rb is not None else None,
+                        extra=rb.extra_of(self.rid) if rb is not None and role == "train" else ())
         self.last_plan = plan
         return plan
 
@@ -506,7 +522,7 @@ class ReplicaManager:
     def run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int] = None,
                  recompute: Optional[Callable[[StepPlan], Any]] = None, pending: Optional[Future] = None,
                  computed: bool = False, after_exchange: Optional[Callable[[], None]] = None,
-                 loss: Any = None) -> StepResult:
+                 loss: Any = None, extra: Optional[Callable[[StepPlan], Any]] = None) -> StepResult:
         """Run rounds until one commits a step in which this replica trained.
 
         `batch`: the slot batch the caller's loader delivered (None: train whatever the plan
@@ -517,8 +533,12 @@ class ReplicaManager:
         After a catch-up or sync replaced the weights, gradients computed before are stale:
         `recompute(plan)` redoes them (default: `compute` if the caller had not computed yet, else
         raise StaleManualStep). `after_exchange()` runs
-        on the averaged gradients before the optimizer step (clipping)."""
+        on the averaged gradients before the optimizer step (clipping). `extra(plan)` adds the
+        gradients of `plan.extra`, the absent slots' batches this replica trains under
+        batch_policy "constant", to those of its own batch (forward and backward each)."""
         res = StepResult(loss=loss)
+        in_grads: tuple = ()
+        """The extra batches whose gradients the local gradients hold besides our own."""
         if recompute is None and not computed:  # compute() has not run: it can simply run again
             recompute = compute
         first = pending.result() if pending is not None else None
@@ -549,16 +569,24 @@ class ReplicaManager:
                     return res
                 raise RuntimeError(f"replica {self.rid}: the quorum assigns slot batch {plan.batch_index} but "
                                    f"the loader delivered batch {batch}")
+            if computed and in_grads and in_grads != plan.extra:
+                replaced = True  # they hold another round's extra batches: start over
             if computed and replaced:
                 self.disarm()
                 if recompute is None:
                     raise StaleManualStep(f"replica {self.rid} fell behind with a half-trained manual-optimization "
                                           "step; exiting so that the launcher restarts it and it catches up first")
                 res.loss = recompute(plan)
-                replaced = False
+                replaced, in_grads = False, ()
             elif not computed:
                 res.loss = compute(plan)
-                computed, replaced = True, False
+                computed, replaced, in_grads = True, False, ()
+            if plan.extra and in_grads != plan.extra:
+                if extra is None:
+                    raise RuntimeError(f"replica {self.rid}: batch_policy 'constant' assigns it absent slots' batches "
+                                       f"{list(plan.extra)}, but its caller passes no run_step(extra=...) to train them")
+                extra(plan)
+                in_grads = plan.extra
             # A retry recomputes when it can; only a caller that cannot (manual optimization)
             # pays for a saved copy of its local gradients.
             vote = self.exchange(plan, save_grads=recompute is None)
@@ -789,15 +817,15 @@ class ReplicaManager:
         self.optimizer.zero_grad(set_to_none=True)
         q = plan.quorum
         self.step, self.gen, self.synced = plan.step + 1, q.gen, True
-        if plan.contribute:
-            self.cursor = plan.batch_index + 1
+        mine = (plan.batches or {}).get(self.rid)
+        if mine is not None:  # we trained it, or (constant policy, catching up) someone did for us
+            self.cursor = max(self.cursor, mine + 1)
         self._committed_round = q.round
         if self.is_leader:
             # Written before this replica reports for a later (full) round, from the quorum
             # thread when overlapped: off the step's critical path.
             with self._ledger_lock:
-                self._unrecorded.append((plan.step, q.epoch, q.round, q.gen,
-                                         {c: q.cursor_of(c) for c in q.contributors}))
+                self._unrecorded.append((plan.step, q.epoch, q.round, q.gen, dict(plan.batches)))
         self._take_digest()
         if self.on_commit is not None:
             self.on_commit(plan)

@@ -67,19 +67,25 @@ class CrossReplicaReducer:
         self._seq = 0
         self._members: tuple[tuple[int, int], ...] = ()
 
+    def _live(self) -> tuple[tuple[int, int], ...]:
+        """(replica, incarnation) of the members of the last round."""
+        mgr = self.mgr
+        q = mgr.last_plan.quorum if mgr.last_plan is not None else None
+        return tuple(zip(q.members, q.incarnations)) if q is not None else ((mgr.rid, mgr.incarnation),)
+
     def begin(self, stage: str) -> None:
         """An evaluation run starts (same order on every replica)."""
         mgr = self.mgr
-        q = mgr.last_plan.quorum if mgr.last_plan is not None else None
-        self._members = tuple(zip(q.members, q.incarnations)) if q is not None else ((mgr.rid, mgr.incarnation),)
+        self._members = self._live()
         ident = (stage, mgr.gen, mgr.step)
         self._runs[ident] = self._runs.get(ident, 0) + 1
         self._prefix = f"{mgr.root}eval/{stage}/{mgr.gen:04d}/{mgr.step:012d}/{self._runs[ident]}/"
         self._seq = 0
 
     def shard(self) -> tuple[int, int]:
-        """(this replica's index, number of replicas) for the evaluation being started."""
-        rids = [r for r, _ in self._members]
+        """(this replica's index, number of replicas) for the evaluation being started. From the
+        last round, not from `begin`: Lightning sizes the loader before the start hook runs."""
+        rids = [r for r, _ in self._live()]
         return (rids.index(self.mgr.rid) if self.mgr.rid in rids else 0), max(1, len(rids))
 
     @property
@@ -104,8 +110,10 @@ class CrossReplicaReducer:
         out = mgr.broadcast(out)
         if isinstance(out, Exception):
             raise out
+        # The mean of integers (Lightning's batch-size counts) is not an integer: as DDP's reduce,
+        # return it as a float instead of truncating it.
         dtype = value.dtype if value.is_floating_point() or op != "mean" else torch.get_default_dtype()
-        return torch.tensor(out, dtype=dtype, device=value.device).reshape(value.shape)  # a mean of ints is not an int
+        return torch.tensor(out, dtype=dtype, device=value.device).reshape(value.shape)
 
     def _leader_reduce(self, key: str, mine: list[float], op: str) -> list[float]:
         store = self.mgr.store

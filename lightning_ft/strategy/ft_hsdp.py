@@ -107,6 +107,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._fit_started = False
         self._reducer: Any = None
         self.stop_agreed = False
+        self._train_data: Any = None
+        """(dataset, collate_fn) of the train loader: batch_policy "constant" builds absent slots'
+        batches from it by sample index."""
+        self._extra_losses: list[float] = []
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -265,6 +269,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
             raise FTHSDPError(f"ft_hsdp exchanges the gradients of one optimizer; configure_optimizers returned "
                               f"{len(self.optimizers)}")
         cfg = self.cfg
+        if cfg.batch_policy == "constant" and not self.lightning_module.automatic_optimization:
+            raise FTHSDPError("batch_policy=constant trains absent replicas' batches with the LightningModule's "
+                              "training_step, which needs automatic optimization; use batch_policy=shrink with "
+                              "manual optimization")
         if self.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
             cfg.lr_intervention = self.lr_intervention
         self._schedulers = CommittedSchedulers(self.lr_scheduler_configs)
@@ -326,6 +334,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                               f"replica for {self.num_replicas} replicas")
         self.sampler = FTBatchSampler(stream, self.rid, self.global_rank, self.world_size, n,
                                       start=lambda: self.mgr.cursor)
+        self._train_data = (dataloader.dataset, dataloader.collate_fn)
         self._schedulers.steps_per_epoch = self.sampler.steps_per_epoch()
         return DataLoader(dataloader.dataset, batch_sampler=self.sampler, num_workers=dataloader.num_workers,
                           collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
@@ -385,6 +394,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().on_validation_end()
         if self.mgr is not None:
             self._reducer.end()
+            # The shards follow the live replicas, but Lightning keeps the loader (and its batch
+            # count) of the first validation: with fewer replicas it would stop each shard early
+            # and evaluate part of the set. Rebuild it at the next validation.
+            self.lightning_module.trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -468,10 +481,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
         def after_exchange() -> None:  # hooks and clipping on the averaged gradients, identically everywhere
             self.precision_plugin._after_closure(self.lightning_module, optimizer)
 
+        self._extra_losses = []
         res = self.mgr.run_step(lambda plan: closure(), batch=k, pending=pending, computed=computed, loss=loss,
                                 recompute=(lambda plan: self._recompute(window, closure, optimizer)) if auto else None,
-                                after_exchange=after_exchange)
+                                after_exchange=after_exchange,
+                                extra=(lambda plan: self._train_extra(plan, optimizer, window[-1][2])) if auto else None)
         self._phase["step_ms"] = (time.perf_counter() - t1) * 1e3
+        if res.trained and self._extra_losses and res.loss is not None:  # the mean over the slots we trained
+            res.loss = (float(res.loss) + sum(self._extra_losses)) / (1 + len(self._extra_losses))
         if res.stale:  # a rewind moved the slot's cursor back: restart the loader there
             self.sampler.restart()
         plan = self.mgr.last_plan
@@ -505,6 +522,23 @@ class FTHSDPStrategy(ModelParallelStrategy):
             loss = out["loss"] if isinstance(out, dict) else out
             self.backward(loss / n, optimizer)
         return closure()
+
+    def _train_extra(self, plan: Any, optimizer: Any, batch_idx: int) -> None:
+        """batch_policy "constant": forward and backward of the absent slots' batches assigned to
+        this replica (`plan.extra`), built from the train dataset by sample index in this rank's
+        micro-batches; their gradients add to those of our own batch."""
+        dataset, collate = self._train_data
+        n = self._micro_batches()
+        self._extra_losses = []
+        for slot, k in plan.extra:
+            total = 0.0
+            for ids in self.sampler.micro_batches(slot, k):
+                batch = self.batch_to_device(collate([dataset[i] for i in ids]))
+                out = self.training_step(batch, batch_idx)
+                loss = out["loss"] if isinstance(out, dict) else out
+                self.backward(loss / n, optimizer)
+                total += float(loss.detach())
+            self._extra_losses.append(total / n)
 
     def _set_lightning_step(self, n: int, in_batch: bool = True) -> None:
         """Lightning's counters from the job: `n` optimizer steps (Lightning adds the one it

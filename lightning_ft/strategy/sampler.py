@@ -48,15 +48,20 @@ class FTBatchSampler(Sampler):
         arrive; the strategy sees from their tags that they are not the next to train."""
         self._generation += 1
 
+    def micro_batches(self, slot: int, k: int) -> list[list[int]]:
+        """This rank's sample ids of each micro-batch of batch k of `slot` (any slot: batch_policy
+        "constant" trains absent slots' batches too)."""
+        ids = self.stream.batch(slot, k)
+        n = self.per_rank * self.world
+        return [ids[j * n:(j + 1) * n][self.rank::self.world] for j in range(self.micro)]
+
     def __iter__(self) -> Iterator[list[int]]:
         self.tags.clear()
         self.first = k0 = self._start()
         gen = self._generation
-        n = self.per_rank * self.world
         for k in range(k0, k0 + self.steps_per_epoch()):
-            ids = self.stream.batch(self.slot, k)
-            for j in range(self.micro):
+            for j, ids in enumerate(self.micro_batches(self.slot, k)):
                 if gen != self._generation:
                     return
                 self.tags.append((k, j))
-                yield ids[j * n:(j + 1) * n][self.rank::self.world]
+                yield ids

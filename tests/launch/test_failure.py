@@ -108,3 +108,11 @@ def test_from_config_with_explicit_events():
     s = FailureSchedule.from_config(cfg.failure, replicas=cfg.replicas)
     assert s.events() == [Injection(1, 50, "hang", 10)]
     assert FailureSchedule.from_config(load_config().failure, replicas=3).events() == []
+
+
+def test_downtime_is_that_of_the_injection_that_fired_in_the_incarnation():
+    s = FailureSchedule([Injection(1, 5, "kill", downtime_steps=7), Injection(1, 40, "kill"),
+                         Injection(2, 9, "kill", downtime_steps=3)], replicas=3)
+    assert [s.downtime(1, inc) for inc in range(3)] == [7, 0, 0]
+    assert [s.downtime(2, inc) for inc in range(2)] == [3, 0]
+    assert s.downtime(0, 0) == 0

@@ -1,0 +1,71 @@
+"""Which slot batches a train round trains, and who trains them (docs/ARCHITECTURE.md,
+"Batch policies"; DESIGN §5 step 3 and §7). A pure rule: no I/O.
+
+Every replica slot s owns a stream of batches; its cursor is the next batch index to train
+(data.py). In a train round the contributors train, and the round's ledger record
+`batches` {slot: k} lists what was trained. Two policies:
+
+- `shrink` (the paper's FT-HSDP): each contributor trains its own slot's batch at its
+  cursor; slots of absent replicas (dead, restarting or catching up) wait for them. The
+  global batch shrinks to len(contributors) slot batches, the divisor of the gradient
+  average is len(contributors), and the LR intervention sees x = contributors / R.
+- `constant`: contributors also train the absent slots' batches, at those slots' cursors
+  (`slot_cursors`, from the quorum), so every step trains all R slot batches: the global
+  batch stays constant, the divisor is R and x = 1 (no LR intervention applies). Absent
+  slots are dealt out in slot order to the contributors in ring order, round-robin, so
+  no contributor trains more than one extra slot more than another. Exactly once holds
+  as before: each absent slot's cursor advances with the commit that lists it, and its
+  replica resumes past the batches others trained for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+POLICIES = ("shrink", "constant")
+
+
+@dataclass(frozen=True)
+class RoundBatches:
+    """The batches of one train round."""
+
+    batches: Mapping[int, int]
+    """Slot -> batch index trained in this round (the ledger record of the commit)."""
+    extra: Mapping[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    """Contributor -> ((slot, k), ...) it trains besides its own slot (constant policy)."""
+
+    @property
+    def divisor(self) -> int:
+        """Slot batches whose gradients are summed: the gradient average divides by this."""
+        return len(self.batches)
+
+    def extra_of(self, rid: int) -> tuple[tuple[int, int], ...]:
+        return tuple(self.extra.get(rid, ()))
+
+
+def round_batches(policy: str, contributors: Sequence[int], cursors: Mapping[int, int], slots: int,
+                  slot_cursors: Sequence[int] = ()) -> RoundBatches:
+    """The round's batches under `policy`.
+
+    `contributors`: replica ids that train, in ring order; `cursors`: each contributor's
+    own cursor (as it reported it); `slots`: R; `slot_cursors`: the cursor of every slot
+    0..R-1 at this round (needed by `constant` when some slot is absent)."""
+    if policy not in POLICIES:
+        raise ValueError(f"batch_policy {policy!r} is not one of {', '.join(POLICIES)}")
+    missing = [c for c in contributors if c not in cursors]
+    if missing:
+        raise ValueError(f"contributors {missing} have no cursor in {dict(cursors)}")
+    batches = {c: int(cursors[c]) for c in contributors}
+    absent = [s for s in range(slots) if s not in batches]
+    if policy == "shrink" or not absent or not contributors:
+        return RoundBatches(batches)
+    if len(slot_cursors) != slots:
+        raise ValueError(f"batch_policy constant needs the cursors of all {slots} slots to train absent slots "
+                         f"{absent}; the quorum carried {len(slot_cursors)}")
+    ring = list(contributors)
+    extra: dict[int, list[tuple[int, int]]] = {}
+    for i, s in enumerate(absent):
+        k = int(slot_cursors[s])
+        batches[s] = k
+        extra.setdefault(ring[i % len(ring)], []).append((s, k))
+    return RoundBatches(dict(sorted(batches.items())), {c: tuple(v) for c, v in extra.items()})

@@ -1,0 +1,46 @@
+"""Cross-replica reduction of evaluation metrics (lightning_ft/strategy/evaluation.py)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_ft.coord import keys
+from lightning_ft.coord.store import MemoryStore
+from lightning_ft.strategy.evaluation import CrossReplicaReducer
+
+
+def reducer_of_replica_0(others: dict[int, list[float]]) -> CrossReplicaReducer:
+    """Replica 0's reducer in a round of members 0, 1, 2 whose other values are already stored."""
+    root = keys.root("/lft", "ev")
+    store = MemoryStore()
+    for rid in (1, 2):
+        store.put(keys.members(root, rid), json.dumps({"incarnation": 0}).encode())
+    q = SimpleNamespace(members=(0, 1, 2), incarnations=(0, 0, 0))
+    mgr = SimpleNamespace(rid=0, incarnation=0, gen=0, step=10, root=root, store=store, is_leader=True,
+                          last_plan=SimpleNamespace(quorum=q), broadcast=lambda x: x)
+    red = CrossReplicaReducer(mgr, timeout_s=5.0)
+    red.begin("val")
+    for seq, values in enumerate(zip(*others.values())):
+        for rid, v in zip(others, values):
+            store.put(f"{red._prefix}{seq:05d}/{rid}", json.dumps([v]).encode())
+    return red
+
+
+def test_mean_of_batch_counts_is_not_truncated():
+    """Lightning reduces a mean metric as mean(sum of values) / mean(batch count); with shards
+    of 22, 21 and 21 samples the count's mean is 21.33, and truncating it to 21 inflated the
+    metric by 1.6%."""
+    red = reducer_of_replica_0({1: [21.0 * 7.0, 21.0], 2: [21.0 * 8.0, 21.0]})
+    value = red.reduce(torch.tensor(22.0 * 6.0), "mean")
+    count = red.reduce(torch.tensor(22), "mean")
+    assert count.is_floating_point() and float(count) == pytest.approx(64 / 3)
+    assert float(value / count) == pytest.approx((22 * 6 + 21 * 7 + 21 * 8) / 64)
+
+
+def test_sums_of_integers_stay_integers():
+    red = reducer_of_replica_0({1: [3.0], 2: [4.0]})
+    out = red.reduce(torch.tensor(5), "sum")
+    assert out.dtype == torch.int64 and int(out) == 12
