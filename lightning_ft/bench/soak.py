@@ -185,7 +185,7 @@ def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_ft.coord import keys
+    from lightning_ft.coord.runs import recorded_root
     from lightning_ft.coord.etcd_server import EtcdCluster
     from lightning_ft.coord.store import EtcdStore
     from lightning_ft.replica.data import read_cursors, verify_ledger
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - t0
         store = EtcdStore(srv.endpoint)
         try:
-            root = keys.root("/lft", "soak")
+            root = recorded_root(store, "/lft", "soak")  # the job's run (coord/runs.py)
             rep = verify_ledger(store, root, read_cursors(store, root, range(a.replicas)))
         finally:
             store.close()
@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                           "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
                           "superseded": rep.superseded, "by_kind": by_kind, "launches": job.launches,
                           "launcher_rc": job.proc.returncode, "wall_s": round(wall, 1)}), flush=True)
-        ok = identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+        ok = (identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+              and rep.steps == a.steps)  # an empty or wrong keyspace has no gaps either
         return 0 if ok else 1
     finally:
         job.kill_all()

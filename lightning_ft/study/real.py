@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_ft.coord import keys
+from lightning_ft.coord.runs import recorded_root
 from lightning_ft.coord.store import EtcdStore, Store
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from lightning_ft.report import _jsonl  # torn last lines of killed writers are skipped
@@ -70,7 +71,7 @@ def run_real(spec: RealSpec, run_dir: str, job: str, etcd: str) -> dict:
     out = read_run(run_dir, spec.replicas, spec.steps)
     store = EtcdStore(etcd)
     try:
-        out.update(ledger(store, keys.root("/lft", job), spec.replicas, spec.steps))
+        out.update(ledger(store, recorded_root(store, "/lft", job), spec.replicas, spec.steps))
     finally:
         store.close()
     out["seconds"] = time.time() - t0
