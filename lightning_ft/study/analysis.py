@@ -146,8 +146,7 @@ def conclusions(rows: Sequence[Row], settings: Mapping[str, Setting]) -> list[st
                    f"closest to the baseline: {ranked[0][0]}.")
         if "none" in g and "sqrt" in g:
             out.append(f"{where}: sqrt vs none: max deviation {dev(g['sqrt'])} vs {dev(g['none'])} nats.")
-    for label, field, a, b in (("1 vs 2 concurrent failures", "con", 1, 2), ("for10 vs for40", "length", 10, 40),
-                               ("bf16 vs fp32", "fp", "bf16", "fp32")):
+    for label, field, a, b in _contrasts([settings[r.name] for r in rows]):
         pairs = []
         for r in rows:
             s = settings[r.name]
@@ -170,6 +169,19 @@ def conclusions(rows: Sequence[Row], settings: Mapping[str, Setting]) -> list[st
             out.append(f"{r.name} (real): {r.degraded_step_s:.3f} s per step during failures vs "
                        f"{r.healthy_step_s:.3f} s healthy ({r.degraded_step_s / r.healthy_step_s:.2f}x), "
                        f"{r.seconds:.0f} s in all.")
+    return out
+
+
+def _contrasts(present: Sequence[Setting]) -> list[tuple[str, str, object, object]]:
+    """(label, field, a, b) for each of concurrency, failure length and precision that takes
+    two or more values among the failure settings: the smallest against the largest."""
+    failed = [s for s in present if not s.baseline]
+    out: list[tuple[str, str, object, object]] = []
+    for field, fmt in (("con", "{} vs {} concurrent failures"), ("length", "for{} vs for{}"),
+                       ("fp", "{} vs {}")):
+        values = sorted({getattr(s, field) for s in failed})
+        if len(values) >= 2:
+            out.append((fmt.format(values[0], values[-1]), field, values[0], values[-1]))
     return out
 
 
