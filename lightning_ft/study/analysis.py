@@ -8,7 +8,8 @@ Definitions (all on the per-step train loss smoothed by a trailing mean of `k` s
 - *failure windows* are the steps in which some replica did not train;
 - *max deviation* is the deviation of largest magnitude inside the failure windows;
 - *steps to recover* counts from the end of the last failure window to the first step
-  from which the loss stays inside the band for `k` steps (0: it never left; None: never);
+  from which the loss stays inside the band for `k` steps (0: it never left; None: never,
+  or a replica was still down at the end: `down_at_end`);
 - a final value is *in band* when it lies within [min, max] of the baseline seeds' final
   values (train: the smoothed loss at the last step; held-out: the last evaluation).
 """
@@ -72,6 +73,8 @@ class Row:
     degraded_step_s: Optional[float] = None
     """Real runs: median seconds per step inside failure windows (healthy: `healthy_step_s`)."""
     healthy_step_s: Optional[float] = None
+    down_at_end: bool = False
+    """Some replica was still down at the last step (no recovery to count)."""
 
 
 def analyze(name: str, source: str, run: Mapping, base_smoothed: Sequence[float], b: Band, k: int,
@@ -84,7 +87,8 @@ def analyze(name: str, source: str, run: Mapping, base_smoothed: Sequence[float]
     if inside:
         devs = [s[n] - base_smoothed[n] for n in inside]
         max_dev = max(devs, key=abs)
-    recover = recovery_steps(s, b, windows[-1][1], k) if windows else None
+    down_at_end = bool(windows) and windows[-1][1] >= len(s)
+    recover = recovery_steps(s, b, windows[-1][1], k) if windows and not down_at_end else None
     final_eval = run["eval"][max(run["eval"])]
     missed = sum(replicas - len(c) for c in run["contributors"])
     secs = healthy = degraded = None
@@ -97,7 +101,7 @@ def analyze(name: str, source: str, run: Mapping, base_smoothed: Sequence[float]
     return Row(name, source, s[-1], final_eval, max_dev, recover,
                b.final_train[0] <= s[-1] <= b.final_train[1], b.final_eval[0] <= final_eval <= b.final_eval[1],
                missed / (events * con) if events and con else 0.0,
-               secs, degraded, healthy)
+               secs, degraded, healthy, down_at_end)
 
 
 def recovery_steps(smoothed: Sequence[float], b: Band, end: int, hold: int) -> Optional[int]:

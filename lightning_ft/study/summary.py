@@ -83,6 +83,14 @@ def _f(x: Optional[float], fmt: str = ".3f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _recover(r: Row, baseline: bool) -> str:
+    if baseline:
+        return "—"
+    if r.down_at_end:
+        return "down at the end"
+    return "not recovered" if r.recover_steps is None else str(r.recover_steps)
+
+
 def table(rows: list[Row], bands: dict[str, Band], settings: dict) -> str:
     head = ("| setting | run | steps down per failure | final train loss (nats) | final held-out (bpb) | "
             "max deviation in failure windows (nats) | steps to recover | train in band | held-out in band | "
@@ -99,7 +107,7 @@ def table(rows: list[Row], bands: dict[str, Band], settings: dict) -> str:
         speed = "—" if r.healthy_step_s is None else (
             f"{_f(r.degraded_step_s)} / {r.healthy_step_s:.3f}" if r.degraded_step_s else f"— / {r.healthy_step_s:.3f}")
         lines.append(f"| `{r.name}` | {r.source} | {_f(r.down_steps, '.0f') if not s.baseline else '—'} | {tr} | {ev} | "
-                     f"{_f(r.max_dev, '+.3f')} | {'—' if s.baseline else (_f(r.recover_steps, 'd') if r.recover_steps is not None else 'not recovered')} | "
+                     f"{_f(r.max_dev, '+.3f')} | {_recover(r, s.baseline)} | "
                      f"{'yes' if r.train_in_band else 'no'} | {'yes' if r.eval_in_band else 'no'} | "
                      f"{_f(r.seconds, '.0f')} | {speed} |")
     return "\n".join(lines)
@@ -163,7 +171,8 @@ def write(study: Study, outcome: Outcome, meta: dict) -> str:
         "- Max deviation: the smoothed train loss minus the same-seed baseline's, largest magnitude over the steps in "
         "which some replica did not train.",
         "- Steps to recover: from the end of the last failure window to the first step from which the smoothed loss "
-        f"stays inside the band for {cfg.smooth_steps} steps ('not recovered': never by the end of the run).",
+        f"stays inside the band for {cfg.smooth_steps} steps ('not recovered': never by the end of the run; "
+        "'down at the end': a replica was still down at the last step).",
         "- In band: the final value lies within [min, max] of the baseline seeds' final values.",
         "",
     ]

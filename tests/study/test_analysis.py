@@ -60,6 +60,14 @@ def test_steps_to_recover_counts_from_the_last_window_end_until_the_curve_stays_
     assert recovery_steps([2.5] * STEPS, b, 15, hold=3) is None
 
 
+def test_a_replica_down_at_the_end_has_no_recovery_to_count():
+    base, b = _flat_band()
+    row = analyze("n", "real", _run([2.0] * STEPS, down=range(30, STEPS)), base, b, 1, R, 1, 2)
+    assert row.down_at_end and row.recover_steps is None
+    back = analyze("n", "real", _run([2.0] * STEPS, down=range(30, STEPS - 1)), base, b, 1, R, 1, 2)
+    assert not back.down_at_end and back.recover_steps == 0
+
+
 def test_in_band_flags_use_the_final_smoothed_loss_and_the_last_evaluation():
     base, b = _flat_band()
     inside = analyze("n", "sim", _run([2.0] * STEPS, evals={20: 9.0, STEPS: 3.1}), base, b, 1, R, 1, 2)
