@@ -2,7 +2,9 @@
 the table (pure; docs/study/summary.md is written from these).
 
 Definitions (all on the per-step train loss smoothed by a trailing mean of `k` steps):
-- the *band* of a precision is, per step, [min, max] over its baseline seeds;
+- the *band* of a precision is, per step, mean +- 2 sample standard deviations over its
+  baseline seeds (`spread`; with 3 seeds a [min, max] band puts the reference seed on
+  its edge, so a run equal to it up to float noise would fall out);
 - a setting's *deviation* at step n is its smoothed loss minus that of the baseline with
   the same seed (the same initialization and data order), in nats;
 - *failure windows* are the steps in which some replica did not train;
@@ -10,7 +12,7 @@ Definitions (all on the per-step train loss smoothed by a trailing mean of `k` s
 - *steps to recover* counts from the end of the last failure window to the first step
   from which the loss stays inside the band for `k` steps (0: it never left; None: never,
   or a replica was still down at the end: `down_at_end`);
-- a final value is *in band* when it lies within [min, max] of the baseline seeds' final
+- a final value is *in band* when it lies within mean +- 2 sd of the baseline seeds' final
   values (train: the smoothed loss at the last step; held-out: the last evaluation).
 """
 from __future__ import annotations
@@ -43,13 +45,25 @@ class Band:
         return self.lo[n] <= value <= self.hi[n]
 
 
-def band(curves: Sequence[Sequence[float]], finals_eval: Sequence[float]) -> Band:
+SPREAD = 2.0
+"""Half-width of the band in sample standard deviations of the baseline seeds."""
+
+
+def spread(xs: Sequence[float], width: float = SPREAD) -> tuple[float, float]:
+    """(mean - width * sd, mean + width * sd) of `xs` (sample sd, n - 1)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5
+    return mean - width * sd, mean + width * sd
+
+
+def band(curves: Sequence[Sequence[float]], finals_eval: Sequence[float], width: float = SPREAD) -> Band:
     """The band of smoothed baseline curves (one per seed) and their final evaluations."""
     if len(curves) < 2:
         raise ValueError(f"a noise band needs at least 2 baseline seeds, got {len(curves)}")
-    lo = [min(c[n] for c in curves) for n in range(len(curves[0]))]
-    hi = [max(c[n] for c in curves) for n in range(len(curves[0]))]
-    return Band(lo, hi, (lo[-1], hi[-1]), (min(finals_eval), max(finals_eval)))
+    per_step = [spread([c[n] for c in curves], width) for n in range(len(curves[0]))]
+    lo, hi = [p[0] for p in per_step], [p[1] for p in per_step]
+    return Band(lo, hi, (lo[-1], hi[-1]), spread(list(finals_eval), width))
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,16 @@ def test_smooth_is_a_trailing_mean_with_a_short_start():
     assert smooth([4.0, 2.0], 5) == [4.0, 3.0]
 
 
-def test_band_is_min_max_per_step_and_of_final_evals():
+def test_band_is_mean_plus_minus_two_sample_sd_per_step_and_of_final_evals():
     b = band([[1.0, 2.0, 3.0], [1.5, 1.0, 2.5], [0.5, 1.5, 2.8]], [3.1, 3.0, 3.3])
-    assert b.lo == [0.5, 1.0, 2.5] and b.hi == [1.5, 2.0, 3.0]
-    assert b.final_train == (2.5, 3.0) and b.final_eval == (3.0, 3.3)
-    assert b.inside(1, 1.7) and not b.inside(1, 2.01)
+    assert b.lo == pytest.approx([0.0, 0.5, 2.76667 - 2 * 0.251661], abs=1e-5)
+    assert b.hi == pytest.approx([2.0, 2.5, 2.76667 + 2 * 0.251661], abs=1e-5)
+    assert b.final_train == (b.lo[-1], b.hi[-1])
+    assert b.final_eval == pytest.approx((3.13333 - 2 * 0.152753, 3.13333 + 2 * 0.152753), abs=1e-5)
+    assert b.inside(1, 2.4) and not b.inside(1, 2.51)
+    # identical seeds: a zero-width band that holds exactly their value
+    same = band([[2.0, 2.0]] * 3, [3.0] * 3)
+    assert same.lo == same.hi == [2.0, 2.0] and same.inside(0, 2.0) and not same.inside(0, 2.0001)
     with pytest.raises(ValueError, match="at least 2"):
         band([[1.0]], [1.0])
 
@@ -72,7 +77,7 @@ def test_in_band_flags_use_the_final_smoothed_loss_and_the_last_evaluation():
     base, b = _flat_band()
     inside = analyze("n", "sim", _run([2.0] * STEPS, evals={20: 9.0, STEPS: 3.1}), base, b, 1, R, 1, 2)
     assert inside.train_in_band and inside.eval_in_band and inside.final_eval == 3.1
-    high = analyze("n", "sim", _run([2.0] * (STEPS - 1) + [2.5], evals={STEPS: 3.25}), base, b, 1, R, 1, 2)
+    high = analyze("n", "sim", _run([2.0] * (STEPS - 1) + [2.5], evals={STEPS: 3.4}), base, b, 1, R, 1, 2)
     assert not high.train_in_band and not high.eval_in_band
     assert high.final_train == pytest.approx(2.5)
 

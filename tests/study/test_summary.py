@@ -39,7 +39,7 @@ def _result(name, source, seed, loss, evals, study, wall=None):
 def _study(out: str) -> Study:
     st = Study(_cfg(out))
     res = {}
-    for seed, off in enumerate((0.0, 0.02, -0.02)):   # band: 1.98..2.02, evals 2.98..3.02
+    for seed, off in enumerate((0.0, 0.02, -0.02)):   # band: mean +- 2 sd = 1.96..2.04, evals 2.96..3.04
         res[f"baseline_fp32.sim.s{seed}"] = _result("baseline_fp32", "sim", seed, [2.0 + off] * STEPS,
                                                     {20: 3.5 + off, 40: 3.0 + off}, st)
     none = [2.0] * STEPS
@@ -85,8 +85,8 @@ def test_summary_table_has_one_row_per_setting_and_the_computed_values(rendered)
     # steps down per failure, final train, final held-out, max deviation, recover, train in band, held-out in band
     assert none[:7] == ["5", "2.000", "3.100", "+0.250", "0", "yes", "no"]
     assert cells(f"{SQRT}|sim")[3] == "+0.100"
-    assert cells("baseline_fp32|sim")[1] == "2.000 (band 1.980–2.020)"
-    assert cells("baseline_fp32|sim")[2] == "3.000 (band 2.980–3.020)"
+    assert cells("baseline_fp32|sim")[1] == "2.000 (band 1.960–2.040)"
+    assert cells("baseline_fp32|sim")[2] == "3.000 (band 2.960–3.040)"
     real = cells(f"{SQRT}|real")
     assert real[3] == "+0.101" and real[7] == "4"          # wall seconds: 39 steps x 0.1 s
     assert real[8] == "0.100 / 0.100"
