@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.runs import recorded_root
 from lightning_ft.coord.store import EtcdStore, Store
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from lightning_ft.report import _jsonl  # torn last lines of killed writers are skipped
@@ -71,11 +70,20 @@ def run_real(spec: RealSpec, run_dir: str, job: str, etcd: str) -> dict:
     out = read_run(run_dir, spec.replicas, spec.steps)
     store = EtcdStore(etcd)
     try:
-        out.update(ledger(store, recorded_root(store, "/lft", job), spec.replicas, spec.steps))
+        out.update(ledger(store, keys.root("/lft", job, run_id(run_dir)), spec.replicas, spec.steps))
     finally:
         store.close()
     out["seconds"] = time.time() - t0
     return out
+
+
+def run_id(run_dir: str) -> str:
+    """The run id the launcher wrote to RUN_DIR/run_id (the job's keyspace is per run)."""
+    try:
+        with open(os.path.join(run_dir, "run_id")) as f:
+            return f.read().strip()
+    except OSError:
+        raise RealRunFailed(f"{run_dir}/run_id is missing: did `lightning-ft run` start?") from None
 
 
 def ledger(store: Store, root: str, replicas: int, steps: int) -> dict:
