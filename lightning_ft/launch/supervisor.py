@@ -372,7 +372,13 @@ class Supervisor:
 
     def _env(self, rep: _Replica, rank: int, port: int) -> dict[str, str]:
         nproc = str(rep.spec.nproc)
-        return {**os.environ, **self._extra_env,
+        extra = dict(self._extra_env)
+        if self.restart_mode == "replica" and rep.restarts > 0:
+            # The resume checkpoint is for the job's first processes: a replica restarted later
+            # catches up from the live ones (or a rewind loads a published checkpoint), and the
+            # resume checkpoint may have been pruned meanwhile (the soak found it).
+            extra.pop("LFT_RESUME", None)
+        return {**os.environ, **extra,
                 "LFT_JOB": self.job, "LFT_REPLICA_ID": str(rep.rid), "LFT_NUM_REPLICAS": str(self.replicas),
                 "LFT_ETCD": self.etcd, "LFT_SECRET": self._secret, "LFT_INCARNATION": str(rep.incarnation),
                 "LFT_RUN_ID": self.run_id,

@@ -378,4 +378,6 @@ def restart_job(store: Any, root: str, ckpt: Optional[str]) -> dict:
         info["from"] = came_from
     seed_generation(store, root, gen, int(meta["step"]), {int(s): int(k) for s, k in meta.get("cursors", {}).items()},
                     **info)
+    if ckpt is not None:  # the generation's base: a rewind before the next checkpoint finds it
+        publish(store, root, int(meta["step"]), ckpt, gen)
     return {"gen": gen, "to": int(meta["step"]), **info}

@@ -329,3 +329,18 @@ def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
         sup.shutdown()
     events = [json.loads(l)["event"] for l in open(tmp_path / "run" / "events.jsonl")]
     assert "hang" not in events and "restart" not in events, events
+
+
+def test_a_restarted_replica_does_not_get_the_resume_checkpoint(make, store):
+    """`--resume` hands the checkpoint to the job's first processes only: a replica restarted
+    later catches up from the live ones, and the checkpoint may have been pruned meanwhile
+    (the 100-fault soak crash-looped on a pruned one)."""
+    sup = make("0:0:*=exit:1:300", replicas=2, nproc_per_replica=1, restart_delay_s=0.05,
+               env={"LFT_RESUME": "/ckpt/step_00000800"})
+    sup.start()
+    wait_for(lambda: (make.out / "r0.i1.rank0.env.json").exists(), 15, "replica 0 to restart", poll=sup.poll)
+    first = json.loads((make.out / "r0.i0.rank0.env.json").read_text())
+    again = json.loads((make.out / "r0.i1.rank0.env.json").read_text())
+    other = json.loads((make.out / "r1.i0.rank0.env.json").read_text())
+    assert first["LFT_RESUME"] == other["LFT_RESUME"] == "/ckpt/step_00000800"
+    assert "LFT_RESUME" not in again

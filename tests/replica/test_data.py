@@ -148,3 +148,21 @@ def test_batched_records_are_fenced_together_and_advance_each_cursor_once():
     store.delete(ROOT + "members/1")
     assert not record_commits(store, ROOT, 1, [(5, 0, 5, 0, {0: 5}), (6, 0, 6, 0, {0: 6})], fence)
     assert read_cursors(store, ROOT, (0,)) == {0: 5} and not recorded(store, ROOT, 0, 5)
+
+
+def test_a_resume_publishes_its_checkpoint_as_the_new_generations_base(tmp_path):
+    """`--resume` (restart_job) starts a generation at the checkpoint and publishes it, so a
+    rewind before the next checkpoint can find it (a fresh keyspace had no record of it)."""
+    import json as _json
+
+    from lightning_ft.coord import keys
+    from lightning_ft.replica.checkpoint import restart_job
+
+    ckpt = tmp_path / "step_00000040"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(_json.dumps({"step": 40, "cursors": {"0": 40, "1": 40}}))
+    store = MemoryStore()
+    rec = restart_job(store, ROOT, str(ckpt))
+    assert rec["gen"] == 0 and rec["to"] == 40
+    assert _json.loads(store.get(keys.ckpt(ROOT, 40)).value)["path"] == str(ckpt)
+    assert read_cursors(store, ROOT, (0, 1)) == {0: 40, 1: 40}
