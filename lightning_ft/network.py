@@ -68,6 +68,6 @@ def advertised(bind_host: str, advertise_host: str, etcd: str) -> str:
     if remote_etcd and (host in WILDCARDS or _is_loopback(host)):
         raise AddressError(
             f"this replica would advertise {host!r} to the others, but etcd ({eh}) is not on loopback, so "
-            f"replicas on other hosts could not reach it; set network.advertise_host (and network.bind_host) to an address of this host "
-            f"that the other hosts can reach")
+            f"replicas on other hosts could not reach it; set network.advertise_host (and network.bind_host) "
+            f"to an address of this host that the other hosts can reach")
     return host

@@ -13,9 +13,11 @@ from lightning_ft.replica.data import read_cursors, verify_ledger
 ARGS = ("--steps", "100000", "--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "2", "--ftar-timeout", "5",
         "--init-timeout", "5", "--step-sleep", "0.1")
 BAD = {  # incarnation of replica 2 -> (extra arguments, extra environment, what its error must say)
-    0: ((), {"LFT_SECRET": "another-secret-" + "x" * 16}, ["is in use on this etcd by another job", "another secret", "give it the job's secret"]),
+    0: ((), {"LFT_SECRET": "another-secret-" + "x" * 16},
+        ["is in use on this etcd by another job", "another secret", "give it the job's secret"]),
     1: (("--chunk-bytes", str(1 << 16)), {}, ["refused: job config differs in chunk_bytes (65536 != 1048576)"]),
-    2: (("--hidden", "48"), {}, ["refused: job config differs in params ('n=6 numel=3217"]),
+    2: (("--hidden", "48"), {},
+        ["refused: job config differs in params (the model's parameter names, shapes and dtypes: 'n=6 numel=3217"]),
 }
 
 
