@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-slow soak demo demo-quorum bench clean
+.PHONY: venv test test-slow soak demo demo-quorum bench study study-smoke clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,18 @@ demo-quorum: venv
 
 bench: venv
 	$(BIN)/python -m lightning_ft.bench.quorum
+
+# The MoE accuracy study with injected failures (configs/study.yaml; about 30 min here): 3 real runs
+# through `lightning-ft run` with SIGKILLs, the simulated grid and baseline seeds; writes docs/study/
+# (summary.md, loss.png, eval.png, zoom.png, wallclock.png, results/). Finished runs are reused from
+# docs/study/results/ unless STUDY_ARGS=--fresh.
+study: venv
+	$(BIN)/python -m lightning_ft.study configs/study.yaml $(STUDY_ARGS)
+
+# A 2-setting grid with one real run checked against the simulator (<= 10 min here), into STUDY_OUT
+STUDY_OUT ?= runs/study-smoke
+study-smoke: venv
+	$(BIN)/python -m lightning_ft.study configs/study_smoke.yaml --out $(STUDY_OUT) --fresh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

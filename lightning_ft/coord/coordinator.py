@@ -84,6 +84,8 @@ class Coordinator:
         self._lease_lost = threading.Event()
         self._report: Optional[Report] = None
         self._next_round = 0
+        self._before_steady: Optional[Quorum] = None
+        """The round a steady round followed (retract_steady goes back to it)."""
         self._current: Optional[Quorum] = None
         self._last_progress = clock()
         self._last_reason = ""
@@ -308,9 +310,32 @@ class Coordinator:
         """Adopt a steady round derived locally (quorum.steady_next); the lowest-id member also
         records it in etcd, off the critical path (`record_steady`), for joiners and the
         supervisor."""
+        if self._current is not None and self._current.round == q.round - 1:
+            self._before_steady = self._current
         self._current = q
         self._next_round = q.round + 1
         self._report = replace(self._report, round=q.round, step=q.max_step)
+
+    def retract_steady(self) -> None:
+        """Our steady round failed (a member went to a full round and aborted the ring, or a
+        member died): it never happened for us. Report for that round number again, after the
+        round before it, so that we join the full round the aborting member is deciding for the
+        same number; reporting for the next one would make our report count for both rounds,
+        and the decider would build a ring we never connect to. When the steady round is already
+        recorded in etcd (by its lowest-id member) it stands: that round is over, and the next
+        one is a full round for everyone."""
+        q = self._current
+        if q is None or not q.steady or self._before_steady is None or self._before_steady.round != q.round - 1:
+            return
+        try:
+            kv = self.store.get(self._round_key(q.round))
+        except StoreError:
+            return
+        if kv is not None and not kv.value.startswith(b'{"halt"') and Quorum.from_json(kv.value).steady:
+            return  # the round is recorded as the steady round that failed: it is over, go on to the next
+        self._current = self._before_steady
+        self._next_round = q.round
+        self._report = replace(self._report, round=q.round - 1, step=self._before_steady.max_step)
 
     def record_steady(self, q: Quorum) -> None:
         """Store a steady round's quorum (create-if-absent, so a full decision of the same round
@@ -324,6 +349,7 @@ class Coordinator:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
 
     def _adopt(self, q: Quorum) -> None:
+        self._before_steady = None
         with self._dead_lock:
             self._current = q
             self._dead = {m for m in self._dead if m in q.member_set()}

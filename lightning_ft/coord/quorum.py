@@ -18,7 +18,8 @@ Rules, in order:
    replicas report, or `init_timeout_s` passes with at least `min_replicas`.
 4. Fewer than `min_replicas` valid reports: no quorum, training waits, and says why.
 5. Partitions: when the previous round already asked for a ring reset with the same
-   members and this one asks again, that is a strike. At `STRIKES` strikes one member is
+   members and this one asks again, naming a peer it failed with (`blame`), that is a
+   strike; a reset without blame (an abort to leave the steady rounds) is not. At `STRIKES` strikes one member is
    excluded: the one the others blamed most (ties: the highest id), quarantined for
    `QUARANTINE_ROUNDS * 2**k` rounds on its k-th exclusion. An FTAR-only partition (etcd
    still reaches both sides) thus ends in a bounded number of rounds.
@@ -414,13 +415,16 @@ def _strikes(round: int, valid: Mapping[int, Report], previous: Optional[Quorum]
     if previous is None:
         return 0, (), []
     member_set = frozenset((r, p.incarnation) for r, p in valid.items())
-    broken = [r for r, p in valid.items() if not p.ring_ok]
+    # A strike needs a failure that names a peer: a ring reset asked for without blame (a
+    # member aborting the steady rounds of the others to go to a full round, or the abort of
+    # such a member reaching us) is no evidence of a partition.
+    broken = [r for r, p in valid.items() if not p.ring_ok and p.blame]
     same = member_set == previous.member_set()
     strikes = previous.strikes + 1 if (same and broken) else 0
     excluded: list[int] = []
     if strikes >= STRIKES:
         blamed = Counter(b for r in broken for b in valid[r].blame if b in valid and b != r)
-        pool = blamed or Counter({r: 1 for r in broken})
+        pool = blamed or Counter({r: 1 for r in broken})  # blamed ones have left: one of the blamers
         top = max(pool.values())
         victim = max(r for r, n in pool.items() if n == top)
         k = entries.get(victim, (0, 0))[1]

@@ -137,6 +137,15 @@ def recorded_run(store: Store, prefix: str, job: str) -> Optional[RunRecord]:
     return RunRecord.from_json(kv.value) if kv is not None else None
 
 
+def recorded_root(store: Store, prefix: str, job: str) -> str:
+    """The keyspace of the job id's recorded run, for tools that read a finished job (the
+    soak's ledger check, the study's real runs). Raises LookupError when none is recorded."""
+    record = recorded_run(store, prefix, job)
+    if record is None:
+        raise LookupError(f"job {job!r} recorded no run under {prefix}")
+    return keys.root(prefix, job, record.id)
+
+
 def current_run(store: Store, prefix: str, job: str, tag: str, want: str = "") -> Optional[str]:
     """The run id to read a job's state from without joining it: `want`, or the recorded
     run if it is this job's (same secret tag). None when there is none."""

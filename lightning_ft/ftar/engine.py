@@ -7,6 +7,14 @@ runs the ring schedule (ring.py) over this epoch's two links (transport/: tcp, s
 chunk in their registered slots (shm: the neighbour's own slot, so reduce writes there).
 Slots are allocated by the link kinds: once (tcp), or per epoch and link (shm, rdma).
 
+Device tensors (CUDA) take the device path (`_allreduce_device`; docs/ARCHITECTURE.md, "The
+device data plane"): the data stays on the device, the Triton kernels (ops.DeviceKernels,
+`ftar.num_programs` programs) pack, reduce, scale and unpack each chunk in device staging
+slots, and host links are bridged through pinned host slots (transport/staging.py). The
+control thread stays the CPU's: it waits for chunks, orders copies and kernels on its own
+stream, and sends. CPU tensors take the CPU path, unchanged, unless `device_staging` forces
+the device path on them (tests run its logic on CPU, under TRITON_INTERPRET=1).
+
 Errors. A `RecoverableError` (peer lost, timeout, `abort`, stale epoch) fails the running
 Work and every queued one ("skipped"), and the engine refuses new work until the next
 `reconfigure`; it also closes the links at once, so the neighbours fail now rather than at
@@ -15,7 +23,9 @@ around the ring so that every rank raises it, and no rank hangs. Every wait has 
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +40,7 @@ from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FT
                              RecoverableError, job_hash)
 from .transport.base import RxLink, TxLink
 from .transport.endpoint import Endpoint
+from .transport.staging import DeviceStaging
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,8 @@ class Work:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
+        self.ready: list = []
+        """CUDA events on the caller's streams at `allreduce`: the device path waits for them."""
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self.skipped = False
@@ -82,7 +95,8 @@ class FTAR:
     def __init__(self, job: str, replica: int, rank: int, secret: bytes | str, *, chunk_bytes: int = 4 << 20,
                  num_chunks: int = 4, timeout_s: float = 5.0, connect_timeout_s: float = 5.0,
                  start_timeout_s: float = 300.0,
-                 transport: str = "tcp", bind_host: str = "127.0.0.1", staged: bool = False) -> None:
+                 transport: str = "tcp", bind_host: str = "127.0.0.1", staged: bool = False,
+                 device_staging: bool = False) -> None:
         if chunk_bytes <= 0 or num_chunks <= 0:
             raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} num_chunks={num_chunks}")
         secret_b = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -98,6 +112,13 @@ class FTAR:
         self.connect_timeout_s = connect_timeout_s
         self.staged = staged
         """Force the staged (registered-slot) data path even on a zero-copy transport."""
+        self.device_staging = device_staging
+        """Force the device path (device staging slots, kernels, host bridge) for CPU tensors too:
+        its logic testable without a GPU (tests; slower than the CPU path)."""
+        self._staging: dict[torch.device, DeviceStaging] = {}
+        """The device path's staging, per device: allocated once, reused (transport/staging.py)."""
+        self.paths: dict[str, int] = {}
+        """All-reduced tensors per data path ("cpu", "device"), for tests and reports."""
         if chunk_bytes % 8:
             raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} must be a multiple of 8")
         # Send and receive slots (C or 2C of S bytes) are allocated and registered once by
@@ -160,6 +181,11 @@ class FTAR:
                 raise FatalError(f"FTAR needs contiguous tensors of {sorted(str(d) for d in DTYPE_CODES)}; "
                                  f"got {t.dtype}, contiguous={t.is_contiguous()}")
         work = Work(tensors)
+        for t in tensors:  # the device path starts after what the caller queued so far
+            if t.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(t.device))
+                work.ready.append(ev)
         with self._lock:
             if self._closed:
                 raise FatalError("FTAR is closed")
@@ -224,7 +250,7 @@ class FTAR:
                 t0 = time.perf_counter()
                 try:
                     for t in work.tensors:
-                        self._allreduce_one(t, ring, divisor)
+                        self._allreduce_one(t, ring, divisor, work.ready)
                     work.seconds = time.perf_counter() - t0
                     work._finish()
                 except FatalError as e:
@@ -257,12 +283,11 @@ class FTAR:
         return ChunkHeader(KIND_DATA, self._job, ring.epoch, self._seq, part, step, chunk,
                            DTYPE_CODES.get(t.dtype, 0), nbytes, t.numel())
 
-    def _allreduce_one(self, t: torch.Tensor, ring: Ring, divisor: Optional[float]) -> None:
-        if t.is_cuda:  # TCP stages through host memory; the GPU kernels serve the RDMA path
-            host = t.detach().to("cpu")
-            self._allreduce_one(host, ring, divisor)
-            t.copy_(host)
+    def _allreduce_one(self, t: torch.Tensor, ring: Ring, divisor: Optional[float], ready: Sequence = ()) -> None:
+        if t.is_cuda or self.device_staging:
+            self._allreduce_device(t, ring, divisor, ready)
             return
+        self._count("cpu", t)
         self._seq += 1
         flat = t.view(-1)
         if ring.n == 1 or flat.numel() == 0:
@@ -363,6 +388,106 @@ class FTAR:
                 rx.release(want)
                 if forward:
                     tx.post(nxt, self.timeout_s)
+
+    # -- the device path ----------------------------------------------------------------------------
+    def staging(self, device: torch.device | str) -> DeviceStaging:
+        """The device path's staging for `device` (allocated on first use, then reused)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        st = self._staging.get(device)
+        if st is None:
+            st = self._staging[device] = DeviceStaging(device, self.S, self.C)
+            log.info("FTAR r%d rank %d: device path on %s: %s kernels, %s host staging %d MiB, device %d MiB",
+                     self.ident.replica, self.ident.rank, device, st.kernels.name,
+                     "pinned" if st.pinned else "unpinned", st.nbytes["host"] >> 20, st.nbytes["device"] >> 20)
+        return st
+
+    def _count(self, path: str, t: torch.Tensor) -> None:
+        n = self.paths.get(path, 0)
+        self.paths[path] = n + 1
+        report = os.environ.get("LFT_FTAR_PATHS") if n == 0 else None
+        if report:  # one line per process and path (bench.gpu_check reads them)
+            st = self._staging.get(t.device) if path == "device" else None
+            row = {"pid": os.getpid(), "replica": self.ident.replica, "rank": self.ident.rank, "path": path,
+                   "device": str(t.device), "dtype": str(t.dtype).removeprefix("torch."),
+                   "kernels": st.kernels.name if st else "torch", "pinned": bool(st and st.pinned)}
+            try:
+                with open(report, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:
+                log.warning("cannot write LFT_FTAR_PATHS=%s: %s", report, e)
+
+    def _allreduce_device(self, t: torch.Tensor, ring: Ring, divisor: Optional[float], ready: Sequence) -> None:
+        """The CPU-GPU split: the data stays on the device; per chunk, this thread receives into
+        pinned host memory, the H2D copy and the kernels run on the staging stream, and a chunk
+        for the next hop goes D2H, then out on the link (transport/staging.py)."""
+        if t.dtype not in ops.SUPPORTED_DTYPES:
+            raise FatalError(f"FTAR's device path supports {[str(d) for d in ops.SUPPORTED_DTYPES]}, got {t.dtype}")
+        self._seq += 1
+        flat = t.view(-1)
+        st = self.staging(t.device)
+        self._count("device", t)
+        tx, rx = self.transport.tx, self.transport.rx
+        if ring.n == 1 or flat.numel() == 0:
+            if divisor is not None and flat.numel():
+                with st.active(tx, ready):
+                    st.kernels.scale_(flat, divisor)
+            return
+        if tx is None or rx is None:
+            raise RecoverableError(None, "the ring's links are closed (aborted); reconfigure first")
+        es = flat.element_size()
+        plan = schedule(ring.n, ring.index)
+        staged = self.staged or not tx.direct
+        parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
+        with st.active(tx, ready):
+            self._first_device(flat, ring, plan, parts[0], 0, tx, st, staged)
+            for p, segs in enumerate(parts):
+                # The next partition's first sends go out before this one's last step (as on the CPU).
+                nxt = None if p + 1 == len(parts) else (
+                    lambda p=p: self._first_device(flat, ring, plan, parts[p + 1], p + 1, tx, st, staged))
+                self._partition_device(flat, ring, plan, segs, p, divisor, tx, rx, nxt, st, staged)
+            tx.flush(self.timeout_s)
+
+    def _first_device(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink, st: DeviceStaging,
+                      staged: bool) -> None:
+        es, dt = flat.element_size(), flat.dtype
+        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
+            hdr = self._header(ring, flat, p, 0, j, c.numel * es)
+            st.kernels.copy_(st.tx_slot(j, dt, c.numel), flat[c.start:c.end])  # pack
+            st.send_device(tx, hdr, staged, self._timeout(p, 0))
+
+    def _partition_device(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
+                          tx: TxLink, rx: RxLink, start_next, st: DeviceStaging, staged: bool) -> None:
+        """As `_partition_staged`, with the staging on the device: reduce-scatter chunks are
+        reduced into dev_tx (fused into the user's buffer on the last step) and sent D2H;
+        all-gather chunks are unpacked into the user's buffer by the copy kernel and
+        forwarded from host memory (their bytes are there already)."""
+        es, dt, k = flat.element_size(), flat.dtype, st.kernels
+        for s, step in enumerate(plan):
+            forward = s + 1 < len(plan)
+            if not forward and start_next is not None:
+                start_next()
+            timeout = self._timeout(p, s)
+            for j, c in enumerate(chunks(segs[step.recv_seg], es, self.S)):
+                user = flat[c.start:c.end]
+                want = self._header(ring, flat, p, s, j, c.numel * es)
+                host = st.recv(rx, want, timeout, staged)
+                recv = st.to_device(j, host, dt, c.numel)
+                nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
+                if step.phase == "rs":  # always forwards (all-gather follows)
+                    out = st.tx_slot(j, dt, c.numel)
+                    if step.last_rs and divisor is not None:
+                        k.reduce_(out, recv, user)
+                        k.scale_(out, divisor)
+                        k.copy_(user, out)
+                    else:
+                        k.reduce_(out, recv, user, out2=user if step.last_rs else None)
+                    st.send_device(tx, nxt, staged, self.timeout_s)
+                else:
+                    k.copy_(user, recv)  # unpack
+                    if forward:
+                        st.send_host(tx, nxt, host, staged, self.timeout_s)
 
     def _mismatch(self, got: ChunkHeader, want: ChunkHeader) -> None:
         if got.job != want.job:

@@ -26,6 +26,7 @@ import atexit
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -113,7 +114,7 @@ class Supervisor:
                  max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
-                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "") -> None:
+                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "") -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -128,6 +129,9 @@ class Supervisor:
         The job's run (coord/runs.py) is opened by `start`: a launcher joins the run another
         launcher of the job (same job id and secret) is running, or starts a new one. A new
         run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
+        self._wrap = wrap
+        """A command prefix per replica, `{rid}` replaced (e.g. `ip netns exec ns{rid}`: fault harnesses
+        put each replica in its own network namespace; `LFT_REPLICA_WRAP` for `lightning-ft run`)."""
         if restart not in ("replica", "world"):
             raise ValueError(f"restart={restart!r} must be 'replica' or 'world'")
         self.restart_mode = restart
@@ -339,7 +343,8 @@ class Supervisor:
             path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
             try:
                 with open(path, "ab") as out:
-                    rep.procs.append(subprocess.Popen(self.cmd, env=self._env(rep, rank, port), stdout=out,
+                    cmd = shlex.split(self._wrap.format(rid=rep.rid)) + self.cmd if self._wrap else self.cmd
+                    rep.procs.append(subprocess.Popen(cmd, env=self._env(rep, rank, port), stdout=out,
                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                       start_new_session=True))
             except OSError as e:

@@ -4,6 +4,11 @@
 Triton kernels when triton imports, everything else to torch. `torch_*` and `triton_*` name
 one implementation explicitly, for tests and benchmarks.
 
+`DeviceKernels` is what FTAR's device data path calls (docs/ARCHITECTURE.md, "The device
+data plane"): the Triton kernels wherever they can run on the tensors (CUDA, or CPU tensors
+under TRITON_INTERPRET=1, so that the device path's logic is testable on a CPU), torch
+otherwise; it counts its calls.
+
 `triton_ops` is imported on first use, never at import time, so that TRITON_INTERPRET=1
 set before that first use still takes effect.
 """
@@ -11,15 +16,19 @@ set before that first use still takes effect.
 from __future__ import annotations
 
 import functools
+import os
+from collections import Counter
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_ft.ops.torch_ops import SUPPORTED_DTYPES, torch_copy_, torch_reduce_, torch_scale_
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "DeviceKernels",
     "copy_",
     "reduce_",
     "scale_",
@@ -102,3 +111,44 @@ def scale_(t: Tensor, divisor: float) -> None:
         _triton_ops().scale_(t, divisor, **_kw())
     else:
         torch_scale_(t, divisor)
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: the Triton kernels run on CPU tensors (tests; slow)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class DeviceKernels:
+    """The data-plane ops of FTAR's device path for tensors on `device`.
+
+    Triton (grid: `set_num_programs`, 2 by default) on CUDA tensors, and on CPU tensors when
+    TRITON_INTERPRET=1; torch otherwise (CUDA without triton, or a forced device path on CPU
+    without the interpreter). `calls` counts each op, for tests and reports.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.triton = triton_available() and (self.device.type == "cuda" or interpreting())
+        self.name = "triton" if self.triton else "torch"
+        self.calls: Counter = Counter()
+
+    def copy_(self, dst: Tensor, src: Tensor) -> None:
+        self.calls["copy"] += 1
+        if self.triton:
+            _triton_ops().copy_(dst, src, **_kw())
+        else:
+            torch_copy_(dst, src)
+
+    def reduce_(self, out: Tensor, recv: Tensor, local: Tensor, out2: Tensor | None = None) -> None:
+        self.calls["reduce"] += 1
+        if self.triton:
+            _triton_ops().reduce_(out, recv, local, out2, **_kw())
+        else:
+            torch_reduce_(out, recv, local, out2)
+
+    def scale_(self, t: Tensor, divisor: float) -> None:
+        self.calls["scale"] += 1
+        if self.triton:
+            _triton_ops().scale_(t, divisor, **_kw())
+        else:
+            torch_scale_(t, divisor)

@@ -11,6 +11,9 @@ soon as backward produced every gradient in them (post-accumulate-grad hooks; FS
 them after its reduce-scatter) and the round's plan is known. Buckets go out in one
 canonical order, reverse parameter order, whatever order the gradients arrive in, so every
 replica sends the same sequence of all-reduces.
+
+The flat buffer lives on the parameters' device: CUDA gradients stay on the GPU and FTAR
+reduces them there (its device path; docs/ARCHITECTURE.md, "The device data plane").
 """
 from __future__ import annotations
 
@@ -50,6 +53,10 @@ class GradBuckets:
         if len(dtypes) != 1:
             raise FatalError(f"{who}: parameters of mixed dtypes {sorted(map(str, dtypes))}; FTAR exchanges one "
                              "flat buffer per step, so use one parameter dtype")
+        devices = {local(p).device for p in params}
+        if len(devices) > 1:
+            raise FatalError(f"{who}: parameters on several devices {sorted(map(str, devices))}; FTAR exchanges one "
+                             "flat buffer per rank, so keep a rank's parameters on one device")
         self.params = params
         self._send = send
         self.offsets: list[tuple[int, int]] = []
@@ -58,7 +65,10 @@ class GradBuckets:
             n = local(p).numel()
             self.offsets.append((off, off + n))
             off += n
-        self.flat = torch.zeros(off, dtype=params[0].dtype)
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        """Where the flat buffer lives: the parameters' device (CUDA gradients stay on the GPU
+        and take FTAR's device path)."""
+        self.flat = torch.zeros(off, dtype=params[0].dtype, device=self.device)
         self.views = [self.flat[lo:hi].view(local(p).shape) for p, (lo, hi) in zip(params, self.offsets)]
         self._clean = True
         """The flat buffer is all zeros (nothing accumulated or exchanged since `zero`)."""

@@ -236,7 +236,9 @@ class StateServer:
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor], meta: dict,
                 expected: set[str] = frozenset()) -> None:
-        """Serve `tensors` (live references, not copied) and `meta` (encoded now) as `version`."""
+        """Serve `tensors` (live references, not copied) and `meta` (encoded now) as `version`.
+        Device (CUDA) tensors are copied to host memory now: the bytes served are this version's."""
+        tensors = {n: t.detach().to("cpu") if t.device.type != "cpu" else t for n, t in tensors.items()}
         specs = [_spec(n, t) for n, t in tensors.items()]
         buffers = [memoryview(_bytes_of(t).numpy()) if s["nbytes"] else memoryview(b"")
                    for s, t in zip(specs, tensors.values())]
@@ -450,7 +452,7 @@ def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
 def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secret: bytes, fetcher: str,
                 timeout_s: float = 30.0, param_groups: Optional[list[dict]] = None) -> tuple[dict, dict]:
     """Fetch `version` from the StateServer at `address` straight into the preallocated CPU tensors
-    `into` (same names, dtypes and shapes, in order). Every socket operation is bounded by
+    `into` (same names, dtypes and shapes, in order; device tensors through host memory). Every socket operation is bounded by
     `timeout_s`. Returns (meta, {"bytes", "seconds", "gbps"}), after both MACs verified;
     with `param_groups` (the local optimizer's), meta is `check_meta`'s, checked before any
     tensor byte is written. Raises CatchupError."""
@@ -458,15 +460,22 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
     if not (fetcher.isascii() and fetcher.isprintable() and fetcher.strip() == fetcher and fetcher):
         raise ValueError(f"fetcher id must be printable ASCII without surrounding spaces, got {fetcher!r}")
     host, _, port = address.rpartition(":")
-    views = {n: _bytes_of(t) for n, t in into.items()}
+    # Device (CUDA) tensors are fetched into host memory and copied over once both MACs
+    # verified: a failed fetch leaves them as they were.
+    device = {n: t for n, t in into.items() if t.device.type != "cpu"}
+    staged = {n: torch.empty(t.shape, dtype=t.dtype) if n in device else t for n, t in into.items()}
+    views = {n: _bytes_of(t) for n, t in staged.items()}
     t0 = time.perf_counter()
     written = [0]
     try:
-        return _fetch(address, version, into, secret, fetcher, timeout_s, where, host, port, views, t0, written,
-                      param_groups)
+        out = _fetch(address, version, staged, secret, fetcher, timeout_s, where, host, port, views, t0, written,
+                     param_groups)
     except CatchupError as e:
-        e.partial = written[0] > 0
+        e.partial = written[0] > 0 and len(device) < len(into)
         raise
+    for n, t in device.items():
+        t.copy_(staged[n])
+    return out
 
 
 def _fetch(address: str, version: int, into: dict, secret: bytes, fetcher: str, timeout_s: float, where: str,

@@ -451,6 +451,8 @@ class ReplicaManager:
         if nxt is None:
             if must_abort(q, view):
                 self._abort_ring(q)
+            if q.steady and not view.committed:  # our steady round failed: report for its number
+                self.coord.retract_steady()
             return None
         self.coord.adopt_steady(nxt)
         if self.rid == nxt.members[0]:  # one leader records it, off the critical path

@@ -2,14 +2,17 @@
 the table (pure; docs/study/summary.md is written from these).
 
 Definitions (all on the per-step train loss smoothed by a trailing mean of `k` steps):
-- the *band* of a precision is, per step, [min, max] over its baseline seeds;
+- the *band* of a precision is, per step, mean +- 2 sample standard deviations over its
+  baseline seeds (`spread`; with 3 seeds a [min, max] band puts the reference seed on
+  its edge, so a run equal to it up to float noise would fall out);
 - a setting's *deviation* at step n is its smoothed loss minus that of the baseline with
   the same seed (the same initialization and data order), in nats;
 - *failure windows* are the steps in which some replica did not train;
 - *max deviation* is the deviation of largest magnitude inside the failure windows;
 - *steps to recover* counts from the end of the last failure window to the first step
-  from which the loss stays inside the band for `k` steps (0: it never left; None: never);
-- a final value is *in band* when it lies within [min, max] of the baseline seeds' final
+  from which the loss stays inside the band for `k` steps (0: it never left; None: never,
+  or a replica was still down at the end: `down_at_end`);
+- a final value is *in band* when it lies within mean +- 2 sd of the baseline seeds' final
   values (train: the smoothed loss at the last step; held-out: the last evaluation).
 """
 from __future__ import annotations
@@ -42,13 +45,25 @@ class Band:
         return self.lo[n] <= value <= self.hi[n]
 
 
-def band(curves: Sequence[Sequence[float]], finals_eval: Sequence[float]) -> Band:
+SPREAD = 2.0
+"""Half-width of the band in sample standard deviations of the baseline seeds."""
+
+
+def spread(xs: Sequence[float], width: float = SPREAD) -> tuple[float, float]:
+    """(mean - width * sd, mean + width * sd) of `xs` (sample sd, n - 1)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5
+    return mean - width * sd, mean + width * sd
+
+
+def band(curves: Sequence[Sequence[float]], finals_eval: Sequence[float], width: float = SPREAD) -> Band:
     """The band of smoothed baseline curves (one per seed) and their final evaluations."""
     if len(curves) < 2:
         raise ValueError(f"a noise band needs at least 2 baseline seeds, got {len(curves)}")
-    lo = [min(c[n] for c in curves) for n in range(len(curves[0]))]
-    hi = [max(c[n] for c in curves) for n in range(len(curves[0]))]
-    return Band(lo, hi, (lo[-1], hi[-1]), (min(finals_eval), max(finals_eval)))
+    per_step = [spread([c[n] for c in curves], width) for n in range(len(curves[0]))]
+    lo, hi = [p[0] for p in per_step], [p[1] for p in per_step]
+    return Band(lo, hi, (lo[-1], hi[-1]), spread(list(finals_eval), width))
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,8 @@ class Row:
     degraded_step_s: Optional[float] = None
     """Real runs: median seconds per step inside failure windows (healthy: `healthy_step_s`)."""
     healthy_step_s: Optional[float] = None
+    down_at_end: bool = False
+    """Some replica was still down at the last step (no recovery to count)."""
 
 
 def analyze(name: str, source: str, run: Mapping, base_smoothed: Sequence[float], b: Band, k: int,
@@ -84,7 +101,8 @@ def analyze(name: str, source: str, run: Mapping, base_smoothed: Sequence[float]
     if inside:
         devs = [s[n] - base_smoothed[n] for n in inside]
         max_dev = max(devs, key=abs)
-    recover = recovery_steps(s, b, windows[-1][1], k) if windows else None
+    down_at_end = bool(windows) and windows[-1][1] >= len(s)
+    recover = recovery_steps(s, b, windows[-1][1], k) if windows and not down_at_end else None
     final_eval = run["eval"][max(run["eval"])]
     missed = sum(replicas - len(c) for c in run["contributors"])
     secs = healthy = degraded = None
@@ -97,7 +115,7 @@ def analyze(name: str, source: str, run: Mapping, base_smoothed: Sequence[float]
     return Row(name, source, s[-1], final_eval, max_dev, recover,
                b.final_train[0] <= s[-1] <= b.final_train[1], b.final_eval[0] <= final_eval <= b.final_eval[1],
                missed / (events * con) if events and con else 0.0,
-               secs, degraded, healthy)
+               secs, degraded, healthy, down_at_end)
 
 
 def recovery_steps(smoothed: Sequence[float], b: Band, end: int, hold: int) -> Optional[int]:
@@ -146,8 +164,7 @@ def conclusions(rows: Sequence[Row], settings: Mapping[str, Setting]) -> list[st
                    f"closest to the baseline: {ranked[0][0]}.")
         if "none" in g and "sqrt" in g:
             out.append(f"{where}: sqrt vs none: max deviation {dev(g['sqrt'])} vs {dev(g['none'])} nats.")
-    for label, field, a, b in (("1 vs 2 concurrent failures", "con", 1, 2), ("for10 vs for40", "length", 10, 40),
-                               ("bf16 vs fp32", "fp", "bf16", "fp32")):
+    for label, field, a, b in _contrasts([settings[r.name] for r in rows]):
         pairs = []
         for r in rows:
             s = settings[r.name]
@@ -170,6 +187,19 @@ def conclusions(rows: Sequence[Row], settings: Mapping[str, Setting]) -> list[st
             out.append(f"{r.name} (real): {r.degraded_step_s:.3f} s per step during failures vs "
                        f"{r.healthy_step_s:.3f} s healthy ({r.degraded_step_s / r.healthy_step_s:.2f}x), "
                        f"{r.seconds:.0f} s in all.")
+    return out
+
+
+def _contrasts(present: Sequence[Setting]) -> list[tuple[str, str, object, object]]:
+    """(label, field, a, b) for each of concurrency, failure length and precision that takes
+    two or more values among the failure settings: the smallest against the largest."""
+    failed = [s for s in present if not s.baseline]
+    out: list[tuple[str, str, object, object]] = []
+    for field, fmt in (("con", "{} vs {} concurrent failures"), ("length", "for{} vs for{}"),
+                       ("fp", "{} vs {}")):
+        values = sorted({getattr(s, field) for s in failed})
+        if len(values) >= 2:
+            out.append((fmt.format(values[0], values[-1]), field, values[0], values[-1]))
     return out
 
 

@@ -70,11 +70,20 @@ def run_real(spec: RealSpec, run_dir: str, job: str, etcd: str) -> dict:
     out = read_run(run_dir, spec.replicas, spec.steps)
     store = EtcdStore(etcd)
     try:
-        out.update(ledger(store, keys.root("/lft", job), spec.replicas, spec.steps))
+        out.update(ledger(store, keys.root("/lft", job, run_id(run_dir)), spec.replicas, spec.steps))
     finally:
         store.close()
     out["seconds"] = time.time() - t0
     return out
+
+
+def run_id(run_dir: str) -> str:
+    """The run id the launcher wrote to RUN_DIR/run_id (the job's keyspace is per run)."""
+    try:
+        with open(os.path.join(run_dir, "run_id")) as f:
+            return f.read().strip()
+    except OSError:
+        raise RealRunFailed(f"{run_dir}/run_id is missing: did `lightning-ft run` start?") from None
 
 
 def ledger(store: Store, root: str, replicas: int, steps: int) -> dict:

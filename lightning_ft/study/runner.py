@@ -69,6 +69,8 @@ class Study:
         self.results_dir = os.path.join(cfg.out, "results")
         self.script_sha = _sha(cfg.script)
         self.results: dict[str, dict] = {}
+        self.reused: set[str] = set()
+        """Keys of the runs taken from results/ rather than run by this invocation."""
 
     # -- specs ------------------------------------------------------------------------------
     def real_spec(self, job: Job) -> RealSpec:
@@ -147,6 +149,7 @@ class Study:
                              f"{got['eval'][max(got['eval'])]:.3f} bpb, run dir {run_dir}")
                 else:
                     self.log(f"[{i + 1}/{len(jobs)} real] {job.key}: cached")
+                    self.reused.add(job.key)
                 self.results[job.key] = got
         finally:
             if server is not None:
@@ -160,6 +163,7 @@ class Study:
             got = self._cached(job, h)
             if got is not None:
                 self.results[job.key] = got
+                self.reused.add(job.key)
                 done += 1
                 self.log(f"[{done}/{total} sim] {job.key}: cached")
             else:

@@ -89,3 +89,13 @@ def test_goodput_bench_ft_beats_restart_the_world():
     assert final["ft_ett"] > final["restart_ett"] > 0
     assert final["ft_ett"] <= 1.02  # work, not steps: a degraded step is a fraction of one
     assert 0 < final["ft_predicted_ett"] <= 1 and 0 < final["restart_predicted_ett"] <= 1
+
+
+def test_gpu_check_says_no_gpu_on_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run `python -m lightning_ft.bench.gpu_check` itself (minutes)")
+    rows = run_bench("lightning_ft.bench.gpu_check")
+    assert len(rows) == 1 and rows[0]["bench"] == "gpu_check" and rows[0]["skipped"] == "no GPU", rows
+    assert "no check ran" in rows[0]["reason"]

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from lightning_ft.bench import netns
+
 
 @pytest.mark.timeout(900)
 def test_ten_mixed_faults_lose_nothing_and_end_identical():
@@ -21,4 +23,8 @@ def test_ten_mixed_faults_lose_nothing_and_end_identical():
     assert r["faults"] >= 10 and r["overlapping"] >= 1, (r, p.stderr[-4000:])
     assert r["lost_batches"] == 0 and r["duplicate_batches"] == 0 and r["conflicts"] == 0, (r, p.stderr[-4000:])
     assert r["identical"] and r["hangs"] == 0 and r["launcher_rc"] == 0, (r, p.stderr[-4000:])
+    assert r["at_end"] >= 2, r  # a majority trained to the end (a late restart may find the job done)
+    assert r["steps"] == 700, r  # the ledger of the job's run holds every step of the final history
+    if netns.skip_reason() is None:
+        assert r["by_kind"].get("link", 0) >= 1, r  # a replica's network link was cut
     assert p.returncode == 0, p.stderr[-3000:]

@@ -253,3 +253,51 @@ def test_below_min_replicas_times_out_with_the_reason():
     with pytest.raises(QuorumTimeout, match="below min_replicas: 1 of 2 needed"):
         c.quorum(0, timeout_s=0.3)
     c.close(), s.close()
+
+
+def _both(a, b, step_a, step_b, **kw):
+    """Both leaders call quorum() at once; returns their quorums."""
+    out = {}
+    tb = threading.Thread(target=lambda: out.__setitem__("b", b.quorum(step_b, timeout_s=5, **kw)))
+    tb.start()
+    out["a"] = a.quorum(step_a, timeout_s=5, **kw)
+    tb.join(6)
+    return out["a"], out["b"]
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_failed_steady_round_is_retracted_unless_it_was_recorded(recorded):
+    """b went steady at round R while a went to a full round R (it saw a change) and aborted b's
+    ring. b's steady R never happened: retracted, b reports for R again and both are in the
+    full round R. Without the retraction b's report for R+1 also counts for R, so a's round R
+    would have a ring with b, which waits for R+1 (tests/launch/test_partitions.py found it).
+    If b's steady R is already recorded in etcd (its lowest-id member records it), R stands as
+    the failed steady round and both meet at R+1."""
+    from lightning_ft.coord.quorum import LocalView, steady_next
+
+    s = MemoryStore()
+    spec = JobSpec(2, 1, 5.0, {"job": "j"})
+    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=2)
+    b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=2)
+    try:
+        for c in (a, b):
+            c.register(0, synced=True)
+        for step in range(3):  # train rounds with both contributing
+            qa, qb = _both(a, b, step, step)
+            assert qa == qb and qa.kind == "train" or step == 0
+        r = qa.round + 1
+        steady = steady_next(qb, LocalView(committed=True, changed=False, digest_due=False))
+        assert steady is not None and steady.round == r
+        b.adopt_steady(steady)
+        if recorded:
+            b.record_steady(steady)
+        b.retract_steady()  # b's exchange was aborted: its steady round failed
+        if recorded:  # a finds round R decided (the steady record) and adopts it; it fails for a too
+            q = a.quorum(3, timeout_s=5)
+            assert q.round == r and q.steady
+            a.retract_steady()  # no-op: it stands
+        qa, qb = _both(a, b, 3, 3)
+        want = r + 1 if recorded else r
+        assert qa.round == qb.round == want and qa == qb and set(qa.members) == {0, 1}, (qa, qb)
+    finally:
+        a.close(), b.close(), s.close()

@@ -538,3 +538,31 @@ def test_first_round_after_a_resume_in_the_same_keyspace_takes_the_ledgers_gener
     d = decide(0, [srep(r, 40, round=0, synced=False, gen=3) for r in range(3)], history=History(0, gen=3))
     q = d.quorum
     assert q.gen == 3 and q.kind == SYNC and q.max_step == 40 and q.rewind is None
+
+
+def test_a_ring_reset_without_blame_is_not_a_strike():
+    """A member that aborts the others' steady rounds to go to a full round (or whose abort
+    reached them) asks for a ring reset naming nobody: no evidence of a partition. Measured
+    in a path cut (tests/launch/test_partitions.py): a quarantined member's report churn made
+    the survivors go full and abort each other every round, and the unblamed resets added up
+    to strikes that excluded a healthy survivor."""
+    prev = quorum_of((0, 2), 5, round=16, strikes=STRIKES - 1)
+    unblamed = [srep(0, 5, round=17, ring_ok=False), srep(2, 5, round=17, ring_ok=False)]
+    q = decide(17, unblamed, previous=prev).quorum
+    assert q.members == (0, 2) and q.strikes == 0 and q.epoch == prev.epoch + 1  # rebuilt, nobody excluded
+    blamed = [srep(0, 5, round=17, ring_ok=False, blame=(2,)), srep(2, 5, round=17, ring_ok=False)]
+    q = decide(17, blamed, previous=prev).quorum
+    assert q.members == (0,) and q.strikes == 0  # a named failure is a strike: the third excludes
+
+
+def test_steady_retraction_reports_for_the_failed_rounds_number():
+    """A steady round that failed never happened for the member: it reports for that round's
+    number again (Coordinator.retract_steady), so its report cannot count for the round after
+    it while the aborting member decides the same number without it (a ring it never joins)."""
+    prev = quorum_of((0, 2), 5, round=15)
+    # r2 reports for 16 (retracted), r0 for 16: both are members of round 16
+    q = decide(16, [srep(0, 6, round=16), srep(2, 6, round=16)], previous=prev).quorum
+    assert q.members == (0, 2)
+    # had r2 reported for 17 (not retracted), round 16 would take it in while it waits for 17
+    q = decide(16, [srep(0, 6, round=16), srep(2, 6, round=17)], previous=prev).quorum
+    assert 2 in q.members

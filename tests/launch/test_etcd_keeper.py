@@ -29,6 +29,7 @@ from lightning_ft.replica.checkpoint import newest_valid, verify
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from tests.launch.test_cli import etcd_children, readline
 from tests.procs import alive, children
+from tests.strategy.runs import run_root
 
 # TTL 3 s (the default): a 1 s TTL can lapse on a loaded machine at start-up, which is not what these test.
 LOOP_ARGS = ["--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "3", "--init-timeout", "30"]
@@ -148,9 +149,10 @@ def test_sigkilled_etcd_leader_member_loses_no_step_and_rejoins(tmp_path, procs)
             time.sleep(0.1)
         back = EtcdStore(endpoints[int(leader[0][1:])], connect_timeout_s=10)
         try:  # linearizable reads served by the rejoined member: it follows the job's progress
-            first = json.loads(back.get(f"/lft/{job}/members/0").value)["step"]
+            root = run_root(back, job)
+            first = json.loads(back.get(f"{root}members/0").value)["step"]
             deadline = time.monotonic() + 20
-            while json.loads(back.get(f"/lft/{job}/members/0").value)["step"] <= first:
+            while json.loads(back.get(f"{root}members/0").value)["step"] <= first:
                 assert time.monotonic() < deadline, "no progress seen through the rejoined member"
                 time.sleep(0.2)
         finally:
@@ -206,7 +208,7 @@ def test_short_etcd_outage_pauses_training_which_resumes_with_nothing_lost(tmp_p
             assert any(r["t"] > up_at for r in rs) and any(r["t"] < down_at for r in rs)  # ... and went on
         store = EtcdStore(f"127.0.0.1:{port}")
         try:
-            root = f"/lft/{job}/"
+            root = run_root(store, job)
             rep = verify_ledger(store, root, read_cursors(store, root, range(2)))
             assert rep.ok and rep.steps == steps, (rep.duplicates, rep.gaps, rep.conflicts)
         finally:
@@ -256,7 +258,7 @@ def test_long_etcd_outage_stops_the_job_with_a_clear_error_and_the_checkpoint_in
     try:
         store = EtcdStore(srv.endpoint)
         try:
-            latest = json.loads(store.get(f"/lft/{job}/ckpt/latest").value)
+            latest = json.loads(store.get(f"{run_root(store, job)}ckpt/latest").value)
             assert latest["step"] <= step and os.path.isdir(latest["path"])
         finally:
             store.close()

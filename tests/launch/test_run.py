@@ -34,7 +34,7 @@ def final_digests(run_dir) -> dict[int, list[str]]:
 def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
     run_dir = tmp_path / "run"
     r = lft("run", "--replicas", "2", "--nproc-per-replica", "1", "--run-dir", str(run_dir), "--no-status",
-            "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "160", "--step-sleep", "0.05",
+            "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "300", "--step-sleep", "0.05",
             "failure.events=[{replica: 1, step: 10, kind: kill}]", "failure.restart_delay_s=0.2",
             "min_replicas=2",  # the survivor waits for the restart, however slow, so both train to the end
             "job=" + "run" + uuid.uuid4().hex[:6])

@@ -89,3 +89,35 @@ def test_saved_gradients_restore_after_a_failed_commit():
     b.send_all(SimpleNamespace(contribute=True), save=True)
     b.flat.zero_()
     assert b.restore() and torch.equal(b.flat, before)
+
+
+def test_the_flat_buffer_lives_on_the_parameters_device():
+    _, _, b, _ = _setup()
+    assert b.device == torch.device("cpu") and b.flat.device == b.device
+
+
+def test_parameters_on_several_devices_are_refused():
+    import pytest
+
+    from lightning_ft.ftar.transport.base import FatalError
+
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, device="meta"))]
+    with pytest.raises(FatalError, match="several devices"):
+        GradBuckets(params, lambda v, p: None, "test")
+
+
+def test_cuda_gradients_accumulate_into_a_flat_buffer_on_the_gpu():
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none here); not run")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = GradBuckets([p for g in opt.param_groups for p in g["params"]], lambda v, p: None, "test")
+    b.attach()
+    assert b.flat.is_cuda
+    x = torch.arange(12, dtype=torch.float32, device="cuda").view(3, 4) / 10
+    model(x).pow(2).sum().backward()
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), b.views))
+    assert torch.equal(b.flat, torch.cat([p.grad.reshape(-1) for p in model.parameters()]))

@@ -418,3 +418,15 @@ def test_only_known_meta_keys_are_applied(server):
                         ([1, 2], "not a mapping")):
         with pytest.raises(CatchupError, match=needle):
             check_meta(bad, opt.param_groups)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here); not run")
+def test_cuda_state_is_served_and_fetched_through_host_memory(server):
+    state = {"w": torch.randn(1000, device="cuda"), "b": torch.randn(7, dtype=torch.bfloat16, device="cuda")}
+    server.publish(3, state, {})
+    want = {n: t.cpu() for n, t in state.items()}
+    state["w"].zero_()  # the publication is this version's bytes, copied at publish
+    into = {n: torch.zeros_like(t) for n, t in state.items()}
+    fetch_state(server.address, 3, into, SECRET, "a")
+    assert all(t.is_cuda for t in into.values())
+    assert _bitwise_equal({n: t.cpu() for n, t in into.items()}, want)

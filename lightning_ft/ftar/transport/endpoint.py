@@ -337,6 +337,9 @@ class Endpoint:
         try:
             self.rx = self._take(epoch, (index - 1) % n, deadline)
         except RecoverableError as e:  # name the neighbour that did not come, so that the quorum can blame it
+            # and close the link we did open: the right neighbour must not wait for chunks
+            # from a ring that will never run (it fails at once and goes to the next round)
+            self._teardown()
             raise RecoverableError(left, e.reason) from None
         line = f"epoch {epoch} to the right neighbour {right}: {self.tx.kind}"
         self.choices = [c for c in self.choices if c.startswith(f"epoch {epoch} from")] + [line]
