@@ -67,7 +67,7 @@ def advertised(bind_host: str, advertise_host: str, etcd: str) -> str:
                                "network.advertise_host to this host's address the other replicas can reach") from e
     if remote_etcd and (host in WILDCARDS or _is_loopback(host)):
         raise AddressError(
-            f"this replica would advertise {host!r} to the others, but etcd ({eh}) is on another host, so they "
-            f"could not reach it; set network.advertise_host (and network.bind_host) to an address of this host "
-            f"that the other hosts can reach")
+            f"this replica would advertise {host!r} to the others, but etcd ({eh}) is not on loopback, so "
+            f"replicas on other hosts could not reach it; set network.advertise_host (and network.bind_host) "
+            f"to an address of this host that the other hosts can reach")
     return host

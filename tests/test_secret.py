@@ -60,3 +60,17 @@ def test_tag_tells_secrets_and_jobs_apart_without_revealing_them():
     assert t != secret.tag(GOOD + "x", "gpt") and t != secret.tag(GOOD, "gpt2")
     assert GOOD not in t
     assert len(secret.generate()) == 32 and secret.generate() != secret.generate()
+
+
+def test_docs_and_examples_never_put_a_secret_on_a_command_line():
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = ["README.md", "docs/ARCHITECTURE.md", "examples/slurm/train.sbatch"]
+    for path in paths:
+        text = open(os.path.join(root, path)).read()
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) if path.endswith(".md") else [text]
+        for line in (l for b in blocks for l in b.splitlines()):
+            assert not re.search(r"(^|\s)(ft\.)?secret=|LFT_SECRET=\S", line), f"{path}: a secret in: {line}"
+    readme = open(os.path.join(root, "README.md")).read()
+    assert "export LFT_SECRET_FILE=" in readme

@@ -233,11 +233,15 @@ SECRET_FIELD = "secret_tag"
 """Fingerprint field derived from the job secret: a difference is named, its values never shown."""
 
 
+FIELD_HINTS = {"params": "the model's parameter names, shapes and dtypes: "}
+"""Fingerprint fields whose values alone do not say what they are."""
+
+
 def fingerprint_diff(job: Mapping[str, object], mine: Mapping[str, object]) -> str:
     """'' if equal, else a readable list of differences like 'replicas (4 != 3)'."""
     keys = sorted(set(job) | set(mine))
-    diffs = [f"{k} ({mine.get(k)!r} != {job.get(k)!r})" if k != SECRET_FIELD else "secret (not the job's secret)"
-             for k in keys if job.get(k) != mine.get(k)]
+    diffs = [f"{k} ({FIELD_HINTS.get(k, '')}{mine.get(k)!r} != {job.get(k)!r})" if k != SECRET_FIELD
+             else "secret (not the job's secret)" for k in keys if job.get(k) != mine.get(k)]
     return ", ".join(diffs)
 
 

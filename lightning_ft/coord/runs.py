@@ -76,7 +76,8 @@ def decide_run(job: str, record: Optional[RunRecord], *, tag: str, want: str, li
         if live:
             return RunChoice("refuse", "", (
                 f"job id {job!r} is in use on this etcd by another job ({held}, with another secret); the "
-                f"replicas of one job share one secret. Pick another job id (--job / job=...), or stop that job"))
+                f"replicas of one job share one secret. If this process belongs to that job, give it the job's "
+                f"secret ($LFT_SECRET_FILE); else pick another job id (--job / job=...), or stop that job"))
         rid = want or new_id
         return RunChoice("start", rid, f"job {job!r}: the previous run ({held}) belonged to another job and "
                                        f"nothing of it runs any more; starting run {rid}")

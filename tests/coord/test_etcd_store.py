@@ -364,3 +364,32 @@ def test_store_from_config_without_an_endpoint_says_how_to_get_one(monkeypatch):
     monkeypatch.delenv("LFT_CONFIG", raising=False)
     with pytest.raises(StoreError, match="no etcd endpoint: set etcd.endpoints"):
         store_from_config(EtcdConfig())
+
+
+FORK_UNDER_WATCH = """
+import subprocess, sys, threading
+from lightning_ft.coord.etcd_server import _die_with_parent
+from lightning_ft.coord.store import EtcdStore
+s = EtcdStore(sys.argv[1])
+s.watch_prefix("/lft/fork/", lambda ev: None)
+stop = threading.Event()
+def busy():
+    while not stop.is_set():
+        s.put("/lft/fork/k", b"1")
+threading.Thread(target=busy, daemon=True).start()
+codes = [subprocess.Popen(["true"], preexec_fn=_die_with_parent, start_new_session=True).wait() for _ in range(30)]
+stop.set()
+print(codes.count(0))
+"""
+
+
+def test_forking_under_a_live_watch_leaves_grpc_fork_handlers_out(etcd_server):
+    # the way the launcher (re)starts etcd while its store watches: gRPC's fork handlers stay
+    # out of the child, which once crashed one (an embedded etcd restart exited with -11)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", FORK_UNDER_WATCH, etcd_server.endpoint], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "30", r.stderr[-2000:]
+    assert "fork_posix" not in r.stderr, r.stderr[-2000:]

@@ -144,6 +144,9 @@ def test_round_ahead_counts_as_reported():
 def test_fingerprint_diff():
     assert fingerprint_diff({"a": 1}, {"a": 1}) == ""
     assert fingerprint_diff({"a": 1, "b": 2}, {"a": 3}) == "a (3 != 1), b (None != 2)"
+    assert fingerprint_diff({"params": "n=2 sha=1", "secret_tag": "x"}, {"params": "n=3 sha=2", "secret_tag": "y"}) \
+        == "params (the model's parameter names, shapes and dtypes: 'n=3 sha=2' != 'n=2 sha=1'), " \
+           "secret (not the job's secret)", "the tags are not shown"
 
 
 def test_json_roundtrip():

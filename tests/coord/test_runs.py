@@ -45,7 +45,7 @@ def test_refusals_say_what_holds_the_id_and_what_to_do():
     other = decide_run("gpt", RunRecord("r1", OTHER, 100.0, "host-b pid 7"), tag=MINE, want="", live=True,
                        first=True, new_id="x", now=160.0)
     assert "job id 'gpt' is in use on this etcd by another job (run r1, started 60 s ago by host-b pid 7" in \
-        other.reason and "Pick another job id" in other.reason
+        other.reason and "give it the job's secret ($LFT_SECRET_FILE); else pick another job id" in other.reason
     assert OTHER not in other.reason and MINE not in other.reason, "tags are not shown"
     stale = decide_run("gpt", REC, tag=MINE, want="r2", live=True, first=True, new_id="x", now=160.0)
     assert "running as run r1" in stale.reason and "belongs to run r2" in stale.reason

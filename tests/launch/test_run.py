@@ -36,6 +36,7 @@ def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
     r = lft("run", "--replicas", "2", "--nproc-per-replica", "1", "--run-dir", str(run_dir), "--no-status",
             "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "300", "--step-sleep", "0.05",
             "failure.events=[{replica: 1, step: 10, kind: kill}]", "failure.restart_delay_s=0.2",
+            "min_replicas=2",  # the survivor waits for the restart, however slow, so both train to the end
             "job=" + "run" + uuid.uuid4().hex[:6])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "(embedded)" in r.stdout and "exit code 0" in r.stdout
@@ -81,3 +82,77 @@ def test_multi_node_launch_without_a_shared_secret_is_refused(tmp_path, etcd_end
                         etcd_endpoint, "--replica-ids", "0", "--no-status", LOOP], capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 2 and "must share the job secret" in r.stderr
+
+
+def log_rows(run_dir, name: str = "r0.i0.rank0.log") -> list[dict]:
+    try:
+        return [json.loads(l) for l in open(os.path.join(run_dir, "logs", name)) if l.startswith("{")]
+    except (OSError, ValueError):
+        return []
+
+
+def test_a_second_job_on_a_live_id_is_refused_and_a_reused_id_starts_afresh(tmp_path, etcd_endpoint):
+    import time
+
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.runs import recorded_run
+    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.replica.data import read_cursors, verify_ledger
+
+    job = "reuse" + uuid.uuid4().hex[:6]
+    env = {k: v for k, v in os.environ.items() if k not in ("LFT_SECRET", "LFT_SECRET_FILE")}
+    files = {}
+    for who in ("ours", "theirs"):
+        files[who] = tmp_path / f"{who}.secret"
+        files[who].write_text(f"{who}-secret-of-this-test-0123456789\n")
+
+    def cmd(run_dir, steps: int, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd", etcd_endpoint,
+                "--job", job, "--run-dir", str(run_dir), "--no-status", "--timeout", "200", LOOP, *LOOP_ARGS,
+                "--steps", str(steps), "--step-sleep", "0.1", "failure.restart_delay_s=0.2", *extra]
+
+    first = subprocess.Popen(cmd(tmp_path / "a", 250, "failure.events=[{replica: 0, step: 5, kind: kill}]"),
+                             env={**env, "LFT_SECRET_FILE": str(files["ours"])}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        events = tmp_path / "a" / "events.jsonl"
+        while not (events.exists() and '"event": "restart"' in events.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, "the first job never restarted replica 0"
+            time.sleep(0.2)
+        # another job (another secret) with the same id while the first one runs: refused, nothing started
+        other = subprocess.run(cmd(tmp_path / "b", 5), env={**env, "LFT_SECRET_FILE": str(files["theirs"])},
+                               capture_output=True, text=True, timeout=120)
+        assert first.poll() is None, "the first job ended before the second one tried its id"
+        assert other.returncode == 2, other.stdout[-2000:] + other.stderr[-2000:]
+        assert f"lightning-ft run: job id {job!r} is in use on this etcd by another job (run " in other.stderr
+        assert "with another secret" in other.stderr and "theirs-secret" not in other.stderr
+        assert not os.path.exists(tmp_path / "b" / "logs" / "r0.i0.rank0.log"), "the refused job started a replica"
+        out, err = first.communicate(timeout=200)
+        assert first.returncode == 0, out[-2000:] + err[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(10)
+    # the same job id used again, with the same secret: a new run, which inherits neither
+    # `finished`, nor the cursors, nor replica 0's eviction
+    again = subprocess.run(cmd(tmp_path / "c", 20), env={**env, "LFT_SECRET_FILE": str(files["ours"])},
+                           capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    old_run, new_run = ((tmp_path / d / "run_id").read_text().strip() for d in ("a", "c"))
+    assert old_run != new_run and "nothing of the old run is inherited" in again.stdout
+    rows = log_rows(tmp_path / "c")
+    assert not [r for r in rows if r["event"] == "finished_already"]
+    steps = [r for r in rows if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(20)) and steps[0]["batch"] == 0, steps[:2]
+    assert set(final_digests(tmp_path / "c")) == {0, 1}
+    store = EtcdStore(etcd_endpoint)
+    try:
+        assert recorded_run(store, "/lft", job).id == new_run
+        old, new = keys.root("/lft", job, old_run), keys.root("/lft", job, new_run)
+        assert store.get(keys.finished(old)) is not None and store.get_prefix(keys.evict(old))[0]
+        assert store.get_prefix(keys.evict(new))[0] == []
+        ledger = verify_ledger(store, new, read_cursors(store, new, range(2)))
+        assert ledger.ok and ledger.steps == 20
+    finally:
+        store.close()

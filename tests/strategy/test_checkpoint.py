@@ -125,10 +125,30 @@ def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
         f.seek(100)
         f.write(b"\x00\x01\x02")
     os.makedirs(ck.step_dir(root, 25), exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "lightning_ft.launch.cli", "run", "--resume", run_dir, "--etcd",
-                        etcd_endpoint, "--no-status", "--timeout", "150", SCRIPT, "--steps", str(steps), "--steplr"],
-                       capture_output=True, text=True, timeout=200)
+    # a run given `secret=` saved it redacted: the resume must never take "***" for the secret
+    config = os.path.join(run_dir, "config.yaml")
+    text = open(config).read()
+    assert "secret: ''" in text
+    open(config, "w").write(text.replace("secret: ''", "secret: '***'"))
+    env = {k: v for k, v in os.environ.items() if k not in ("LFT_SECRET", "LFT_SECRET_FILE")}
+    resume = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--resume", run_dir, "--etcd", etcd_endpoint,
+              "--no-status", "--timeout", "150"]
+    multi = subprocess.run([*resume, "--replica-ids", "0,1", SCRIPT, "--steps", str(steps), "--steplr"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert multi.returncode == 2 and "launchers on several nodes must share the job secret: set LFT_SECRET_FILE" \
+        in multi.stderr, multi.stderr[-2000:]
+    r = subprocess.run([*resume, SCRIPT, "--steps", str(steps), "--steplr"], env=env, capture_output=True, text=True,
+                       timeout=200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    from lightning_ft.coord.runs import recorded_run
+    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.secret import REDACTED, tag
+
+    store = EtcdStore(etcd_endpoint)
+    try:  # the resumed run's record carries the tag of the secret its replicas used
+        assert recorded_run(store, "/lft", job).tag != tag(REDACTED, job)
+    finally:
+        store.close()
     assert "skipping checkpoint step 25" in r.stderr and f"{bad}: sha256 does not match" in r.stderr
     assert "resuming from" in r.stdout and "step_00000010" in r.stdout
     finals = [json.load(open(os.path.join(run_dir, f"replica_{i}", "final.json"))) for i in (0, 1)]
