@@ -163,6 +163,9 @@ class SupervisorConfig:
     crash_loop: int = 3
     """A replica that fails this many times in a row before committing any step, with the same
     exit code, is not restarted again (its log tail is printed)."""
+    start_timeout_s: float = 600.0
+    """A replica whose leader has not registered with etcd this long after its start is hung in
+    initialization: it is killed and restarted (0 = wait forever)."""
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Job:
         cmd += ["--resume", self.run_dir] if resume else ["--run-dir", self.run_dir]
         cmd += [TRAIN_LM, "--steps", str(a.steps), "--val-every", "1000000", "--batch", "8", "--d", "32",
                 "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
-                "failure.signal_exception=true", "quorum.init_timeout_s=20",
+                "failure.signal_exception=true", "quorum.init_timeout_s=20", "supervisor.start_timeout_s=120",
                 f"checkpoint.every_n_steps={a.ckpt_every}", "checkpoint.keep=3", "secret=soak-secret-0123456789"]
         out = open(os.path.join(self.run_dir, f"launcher.{self.launches}.log"), "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

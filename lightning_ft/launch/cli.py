@@ -253,7 +253,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
                          checkpoint_root=checkpoint_dir(cfg), store=keeper.store, crash_loop=cfg.supervisor.crash_loop,
                          min_replicas=cfg.min_replicas, seed_from=resume_from or "",
-                         wrap=os.environ.get("LFT_REPLICA_WRAP", ""),
+                         wrap=os.environ.get("LFT_REPLICA_WRAP", ""), start_timeout_s=cfg.supervisor.start_timeout_s,
                          env={"LFT_CONFIG": config_path, **keeper.child_env(),
                               **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),
                               **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})

@@ -86,6 +86,8 @@ class _Replica:
     """Why kill_replica() signalled it; added to the eviction reason."""
     member_seen: bool = False
     """Its leader's member key existed for the current incarnation."""
+    started_at: float = 0.0
+    """Monotonic time of the current incarnation's start."""
     missing_since: Optional[float] = None
     """When the member key was first seen gone after member_seen."""
     restart_at: float = 0.0
@@ -114,7 +116,8 @@ class Supervisor:
                  max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
-                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "") -> None:
+                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
+                 start_timeout_s: float = 600.0) -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -130,6 +133,8 @@ class Supervisor:
         launcher of the job (same job id and secret) is running, or starts a new one. A new
         run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
         self._wrap = wrap
+        self.start_timeout_s = start_timeout_s
+        """A leader not registered this long after its start is hung in initialization (0: never)."""
         """A command prefix per replica, `{rid}` replaced (e.g. `ip netns exec ns{rid}`: fault harnesses
         put each replica in its own network namespace; `LFT_REPLICA_WRAP` for `lightning-ft run`)."""
         if restart not in ("replica", "world"):
@@ -361,6 +366,7 @@ class Supervisor:
         rep.logged_exits = set()
         rep.kill_reason = ""
         rep.member_seen = False
+        rep.started_at = time.monotonic()
         rep.missing_since = None
         rep.restart_step = None
         rep.first_step, rep.progressed = None, False
@@ -434,6 +440,13 @@ class Supervisor:
                     rep.first_step = rep.step
                 elif rep.step is not None and rep.step > rep.first_step:
                     rep.progressed = True
+            elif (not rep.member_seen and self.start_timeout_s > 0 and rep.started_at
+                  and now - rep.started_at >= self.start_timeout_s):
+                reason = (f"hung in initialization: incarnation {rep.incarnation} did not register with etcd within "
+                          f"{self.start_timeout_s:.0f}s of its start (supervisor.start_timeout_s) while rank 0 "
+                          f"(pid {rep.procs[0].pid}) still runs")
+                self._event(rep, "hang", reason=reason)
+                self._fail(rep, reason)
             elif rep.member_seen and rep.missing_since is None:
                 rep.missing_since = now
             elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:

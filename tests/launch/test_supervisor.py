@@ -344,3 +344,18 @@ def test_a_restarted_replica_does_not_get_the_resume_checkpoint(make, store):
     other = json.loads((make.out / "r1.i0.rank0.env.json").read_text())
     assert first["LFT_RESUME"] == other["LFT_RESUME"] == "/ckpt/step_00000800"
     assert "LFT_RESUME" not in again
+
+
+def test_a_replica_hung_before_it_registers_is_restarted_after_the_start_timeout(make, store):
+    """A leader stopped (or deadlocked) in initialization never registers, so no lease can
+    lapse: the start timeout catches it (the 100-fault soak SIGSTOPped two freshly restarted
+    replicas, which then sat out the rest of the job)."""
+    sup = make("0:0:*=sleep", "*:*:*=member:-1:hang:0", replicas=2, nproc_per_replica=1,
+               start_timeout_s=1.0, restart_delay_s=0.05)
+    sup.start()
+    pid = status(sup, 0)["pids"][0]
+    wait_for(lambda: status(sup, 0)["incarnation"] == 1, 15, "replica 0 to restart", poll=sup.poll)
+    assert not alive(pid)
+    hangs = [e for e in events(make.run_dir) if e["event"] == "hang"]
+    assert hangs and hangs[0]["replica"] == 0 and "did not register with etcd within 1s" in hangs[0]["reason"], hangs
+    assert status(sup, 1)["incarnation"] == 0  # the registered one is left alone
