@@ -50,6 +50,8 @@ EXIT_TIMEOUT = 124
 """run() returns this when `timeout_s` passed (as timeout(1) does)."""
 EXIT_GAVE_UP = 1
 """run() returns this when every replica stopped and at least one was given up on."""
+RESUME_LIVE_WAIT_S = 10.0
+"""How long `--resume` waits for a dead job's leases to lapse (a launcher's hold: 5 s)."""
 EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
 """A replica exits with this, and run() returns it, when the job halted (lightning_ft.coord.keys.halt)."""
 HALT_GRACE_S = 10.0
@@ -117,7 +119,7 @@ class Supervisor:
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
                  crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
-                 start_timeout_s: float = 600.0) -> None:
+                 start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S) -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -134,6 +136,7 @@ class Supervisor:
         run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
         self._wrap = wrap
         self.start_timeout_s = start_timeout_s
+        self._resume_wait_s = resume_wait_s
         """A leader not registered this long after its start is hung in initialization (0: never)."""
         """A command prefix per replica, `{rid}` replaced (e.g. `ip netns exec ns{rid}`: fault harnesses
         put each replica in its own network namespace; `LFT_REPLICA_WRAP` for `lightning-ft run`)."""
@@ -217,6 +220,15 @@ class Supervisor:
         self._hold = RunHold(self._store, ttl_s=5.0)
         try:
             want = self._previous_run_id() if self._seed_from else ""
+            if want:
+                # After a whole-job kill the dead job's keys (its launcher's hold, its members'
+                # leases) stay until their leases lapse: wait that long, so that the resume
+                # seeds the run instead of joining a run nobody runs (the soak found it: the
+                # new incarnations met the dead job's evictions).
+                root = keys.root(self._prefix, self.job, want)
+                deadline = time.monotonic() + self._resume_wait_s
+                while is_live(self._store, root) and time.monotonic() < deadline:
+                    time.sleep(0.2)
             run = open_run(self._store, self._prefix, self.job, tag(self._secret, self.job), self._hold, want=want)
             self.run_id, self._root = run.run_id, keys.root(self._prefix, self.job, run.run_id)
             if self._seed_from and (run.action == "start" or not is_live(self._store, self._root)):

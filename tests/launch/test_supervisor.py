@@ -359,3 +359,31 @@ def test_a_replica_hung_before_it_registers_is_restarted_after_the_start_timeout
     hangs = [e for e in events(make.run_dir) if e["event"] == "hang"]
     assert hangs and hangs[0]["replica"] == 0 and "did not register with etcd within 1s" in hangs[0]["reason"], hangs
     assert status(sup, 1)["incarnation"] == 0  # the registered one is left alone
+
+
+def test_a_resume_right_after_a_whole_job_kill_waits_for_the_dead_jobs_leases_then_seeds(make, store, tmp_path):
+    """The soak relaunches `--resume` a second after killing the whole job: the dead launcher's
+    hold and its members' leases still make the run look live. The resume waits for them to
+    lapse and seeds the run (a new generation; the dead job's evictions gone), instead of
+    joining a run nobody runs, where the new incarnation 0 met the dead one's eviction."""
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.runs import RunRecord
+    from lightning_ft.replica.data import read_rewinds
+    from lightning_ft.secret import tag
+
+    run_dir = make.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run_id").write_text("run-before\n")
+    root = keys.root("/lft", make.job, "run-before")
+    store.put(keys.run_record("/lft", make.job), RunRecord("run-before", tag("s3cret", make.job)).to_json())
+    store.put(keys.evict(root, 0, 0), b"the dead job's eviction")
+    store.put(keys.launchers(root, "dead-launcher"), b"{}", lease=store.lease_grant(2))
+    ckpt = tmp_path / "step_00000005"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"step": 5, "cursors": {"0": 5}}))
+    sup = make("*:*:*=sleep", replicas=1, nproc_per_replica=1, seed_from=str(ckpt), resume_wait_s=10.0)
+    t0 = time.monotonic()
+    sup.start()
+    assert sup.run_id == "run-before" and time.monotonic() - t0 >= 1.0  # it waited for the lease
+    assert store.get(keys.evict(root, 0, 0)) is None
+    assert [r["to"] for r in read_rewinds(store, root).values()] == [5]
