@@ -3,7 +3,9 @@
     python -m lightning_ft.bench.soak [--faults 100] [--replicas 3] [--overlap 0.15] [--seed 0]
                                       [--kinds kill,hang,exception,link,job,etcd]
 
-Faults land at random moments chosen from outside (never at step boundaries by design):
+Faults land at random moments chosen from outside (never at step boundaries by design),
+about `--every-s` apart, each once the job has committed a step since the previous one (so a
+stall of `--hang-s` is a hang, not a job starved by faults faster than its restarts):
 kill (SIGKILL a process), hang (SIGSTOP a replica's leader until the launcher declares it
 hung), exception (SIGUSR1: the next batch raises, `failure.signal_exception`), link (the
 replica's network link goes down for 2-6 s: FTAR and etcd alike; each replica runs in its own
@@ -107,6 +109,23 @@ class Job:
             _signal(-p, signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(30)
+
+    def last_commit_t(self) -> float:
+        """Wall time of the newest committed step of any replica (0 before the first)."""
+        newest = 0.0
+        for rid in range(self.a.replicas):
+            path = os.path.join(self.run_dir, f"replica_{rid}", "steps.jsonl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    f.seek(max(0, os.path.getsize(path) - 4096))
+                    lines = f.read().decode(errors="replace").splitlines()
+                for line in reversed(lines):
+                    try:
+                        newest = max(newest, float(json.loads(line)["t"]))
+                        break
+                    except (ValueError, KeyError):
+                        continue
+        return newest
 
     def committed(self) -> int:
         best = 0
@@ -252,7 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         job.launch()
         while job.committed() < 5 and time.monotonic() - t0 < 300:
             time.sleep(0.2)
+        last_fault_t = 0.0
         while injected < a.faults and job.proc.poll() is None:
+            # The next fault waits for the job to commit a step after the last one: faults faster
+            # than a restart (Lightning starts in 10-30 s here) would only starve the job, and a
+            # stall would then say nothing about hangs. Faults still overlap (two at once, or a
+            # fault while the last victim restarts); a job that never trains again times out.
+            waited = time.monotonic()
+            while job.last_commit_t() <= last_fault_t and job.proc.poll() is None:
+                if time.monotonic() - waited > a.hang_s * 3:
+                    log(f"no committed step {a.hang_s * 3:.0f} s after the last fault; injecting anyway")
+                    break
+                time.sleep(0.5)
+                job.heal_etcd(after_s=3.0)
+                job.heal_links()
             wait = rng.expovariate(1.0 / a.every_s)
             while wait > 0:
                 time.sleep(min(wait, 0.5))
@@ -275,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 n = int(inject(job, kind, rng.randrange(a.replicas), rng, a))
             injected += n
+            last_fault_t = time.time()
             by_kind[kind] = by_kind.get(kind, 0) + n
             if n:
                 log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
