@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="lft-soak-")
     run_dir = a.keep or os.path.join(tmp, "run")
     os.makedirs(run_dir, exist_ok=True)
-    if not a.steps:  # up to 10 steps a second here (steady rounds), plus restarts: the job stops at the end anyway
-        a.steps = int(a.faults * a.every_s * 10 + 600)
+    if not a.steps:  # up to 10 steps a second here (steady rounds), and faults wait for restarts: generous,
+        a.steps = int(a.faults * (a.every_s + 15) * 5 + 1000)  # the job stops at the end anyway
     net = None
     if "link" in kinds:
         net = netns.Net()

@@ -80,11 +80,12 @@ def test_a_replica_restarted_after_the_job_finished_runs_no_user_hook(tmp_path, 
 
     from tests.strategy.runs import SCRIPT
 
-    run = lft_run(tmp_path, etcd_endpoint, "--steps", "6", replicas=2)
+    secret = "late-replica-secret-0123456789"  # the job's: a process of the job proves it (runs are tagged)
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "6", replicas=2, overrides=(f"secret={secret}",))
     assert run.proc.returncode == 0, ok(run)
     job = os.path.basename(run.run_dir)
     env = {**os.environ, "LFT_JOB": job, "LFT_REPLICA_ID": "1", "LFT_NUM_REPLICAS": "2", "LFT_ETCD": etcd_endpoint,
-           "LFT_SECRET": "late-replica-secret-0123456789", "LFT_INCARNATION": "5", "LFT_RUN_DIR": str(tmp_path / "late"), "MASTER_ADDR": "127.0.0.1",
+           "LFT_SECRET": secret, "LFT_INCARNATION": "5", "LFT_RUN_DIR": str(tmp_path / "late"), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29655", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     late = subprocess.run([sys.executable, SCRIPT, "--steps", "6"], env=env, capture_output=True, text=True,
                           timeout=120)

@@ -30,10 +30,11 @@ def test_every_replica_down_at_once_rewinds_to_the_newest_checkpoint(tmp_path, e
     # in batches; both replicas died with theirs): either way the final history is exact.
     assert led.ok and led.steps == steps, led
     assert [r["to"] for r in led.rewinds] == [rw["to"]]
-    # the restarted replicas trained from step 21 with the checkpoint's schedule (StepLR)
+    # the restarted replicas trained from the checkpoint's next step with its schedule (StepLR)
     back = run.rows[(0, 1)]
-    assert back[0]["step"] == 21, back[:3]
-    assert back[0]["lr"] == 0.01 * 0.5 ** (21 // 3)
+    first = rw["to"] + 1
+    assert back[0]["step"] == first, back[:3]
+    assert back[0]["lr"] == 0.01 * 0.5 ** (first // 3)
 
 
 def test_without_checkpoints_a_total_loss_rewinds_to_step_0_and_says_so(tmp_path, etcd_endpoint):
