@@ -31,7 +31,7 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
 
-# 100+ mixed faults (kill, hang, exception, whole-job kill + --resume, etcd leader kill), >= 10%
+# 100+ mixed faults (kill, hang, exception, link cut, whole-job kill + --resume, etcd leader kill), >= 10%
 # overlapping, against 3 replicas of examples/train_lm.py; prints one {"bench": "soak", ...} line
 soak: venv
 	$(BIN)/python -m lightning_ft.bench.soak --faults 100
