@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         while job.committed() < 5 and time.monotonic() - t0 < 300:
             time.sleep(0.2)
         last_fault_t = 0.0
+        planned_i = 0
         while injected < a.faults and job.proc.poll() is None:
             # The next fault waits for the job to commit a step after the last one: faults faster
             # than a restart (Lightning starts in 10-30 s here) would only starve the job, and a
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             if job.committed() >= a.steps - max(50, a.steps // 6):  # a fault-free end: replicas rejoin
                 log("training is about to end before the faults are done; stopping early")
                 break
-            kind = planned[min(injected, len(planned) - 1)]
+            kind = planned[min(planned_i, len(planned) - 1)]  # not by `injected`: an overlapping fault counts 2
             if kind == "etcd" and job.etcd_down_since is not None:
                 kind = "kill"  # one etcd member down at a time (a 3-member cluster survives one)
             replica_kinds = [k for k in kinds if k in ("kill", "hang", "exception", "link")] or ["kill"]
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 n = int(inject(job, kind, rng.randrange(a.replicas), rng, a))
             injected += n
+            planned_i += 1 if n else 0
             last_fault_t = time.time()
             by_kind[kind] = by_kind.get(kind, 0) + n
             if n:
