@@ -110,38 +110,31 @@ class Job:
         if self.proc is not None:
             self.proc.wait(30)
 
+    def _last_rows(self) -> list[dict]:
+        """Each replica's newest complete steps.jsonl row (a replica without one is left out)."""
+        rows = []
+        for rid in range(self.a.replicas):
+            path = os.path.join(self.run_dir, f"replica_{rid}", "steps.jsonl")
+            if not os.path.exists(path):
+                continue
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 4096))
+                lines = f.read().decode(errors="replace").splitlines()
+            for line in reversed(lines):
+                try:
+                    row = json.loads(line)
+                    rows.append({"t": float(row["t"]), "step": row["step"]})
+                    break
+                except (ValueError, KeyError):
+                    continue
+        return rows
+
     def last_commit_t(self) -> float:
         """Wall time of the newest committed step of any replica (0 before the first)."""
-        newest = 0.0
-        for rid in range(self.a.replicas):
-            path = os.path.join(self.run_dir, f"replica_{rid}", "steps.jsonl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    f.seek(max(0, os.path.getsize(path) - 4096))
-                    lines = f.read().decode(errors="replace").splitlines()
-                for line in reversed(lines):
-                    try:
-                        newest = max(newest, float(json.loads(line)["t"]))
-                        break
-                    except (ValueError, KeyError):
-                        continue
-        return newest
+        return max((r["t"] for r in self._last_rows()), default=0.0)
 
     def committed(self) -> int:
-        best = 0
-        for rid in range(self.a.replicas):
-            path = os.path.join(self.run_dir, f"replica_{rid}", "steps.jsonl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    f.seek(max(0, os.path.getsize(path) - 4096))
-                    lines = f.read().decode(errors="replace").splitlines()
-                for line in reversed(lines):
-                    try:
-                        best = max(best, json.loads(line)["step"])
-                        break
-                    except (ValueError, KeyError):
-                        continue
-        return best
+        return max((r["step"] for r in self._last_rows()), default=0)
 
 
 def _alive(pid: int) -> bool:
