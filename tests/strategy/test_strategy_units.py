@@ -99,4 +99,5 @@ def test_without_the_launcher_environment_the_error_says_how_to_launch(tmp_path)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env=env)
     assert r.returncode != 0
-    assert "lightning-ft run --replicas R" in r.stderr and "LFT_JOB is not set" in r.stderr
+    assert "lightning-ft run --replicas R" in r.stderr and "lightning-ft env --replica-id R" in r.stderr
+    assert "LFT_JOB, LFT_REPLICA_ID, LFT_NUM_REPLICAS, LFT_ETCD not set" in r.stderr
