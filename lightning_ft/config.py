@@ -166,6 +166,10 @@ class SupervisorConfig:
     start_timeout_s: float = 600.0
     """A replica whose leader has not registered with etcd this long after its start is hung in
     initialization: it is killed and restarted (0 = wait forever)."""
+    exit_timeout_s: float = 120.0
+    """A replica on its way out (it left the job, or one of its ranks exited 0) whose processes still
+    run this long after is hung on exit (stopped or deadlocked in teardown): it is killed and
+    restarted, so the launcher does not wait for it forever (0 = wait forever)."""
 
 
 @dataclass

@@ -81,6 +81,7 @@ class Job:
         cmd += [TRAIN_LM, "--steps", str(a.steps), "--val-every", "1000000", "--batch", "8", "--d", "32",
                 "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
                 "failure.signal_exception=true", "quorum.init_timeout_s=20", "supervisor.start_timeout_s=120",
+                "supervisor.exit_timeout_s=20",
                 f"checkpoint.every_n_steps={a.ckpt_every}", "checkpoint.keep=3", "secret=soak-secret-0123456789"]
         out = open(os.path.join(self.run_dir, f"launcher.{self.launches}.log"), "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--keep", default="", help="keep the run directory here")
     a = p.parse_args(argv)
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the finally below kills the job by PID
+    # and deletes the namespaces and the etcd cluster instead of leaving them behind.
+    signal.signal(signal.SIGTERM, _interrupt)
     kinds = [k for k in a.kinds.split(",") if k]
     if "link" in kinds and netns.skip_reason():
         log(f"link cuts left out: {netns.skip_reason()}")
@@ -353,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         srv.cleanup()
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

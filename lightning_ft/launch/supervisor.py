@@ -104,6 +104,9 @@ class _Replica:
     crash_code: Optional[int] = None
     """Exit code of the last failure that came before any commit (crash-loop detection)."""
     crash_streak: int = 0
+    leaving_since: Optional[float] = None
+    """When it was first seen on its way out (left/{rid}/{inc} written, or a rank exited 0 while
+    others still run): past exit_timeout_s from then it is hung on exit."""
 
     @property
     def rid(self) -> int:
@@ -119,7 +122,8 @@ class Supervisor:
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
                  crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
-                 start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S) -> None:
+                 start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S,
+                 exit_timeout_s: float = 120.0) -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -136,6 +140,9 @@ class Supervisor:
         run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
         self._wrap = wrap
         self.start_timeout_s = start_timeout_s
+        self.exit_timeout_s = exit_timeout_s
+        """A replica on its way out (it left the job, or some ranks exited 0) that still runs this
+        long after is hung on exit (stopped or deadlocked in teardown): killed and restarted (0: never)."""
         self._resume_wait_s = resume_wait_s
         """A leader not registered this long after its start is hung in initialization (0: never)."""
         """A command prefix per replica, `{rid}` replaced (e.g. `ip netns exec ns{rid}`: fault harnesses
@@ -380,6 +387,7 @@ class Supervisor:
         rep.member_seen = False
         rep.started_at = time.monotonic()
         rep.missing_since = None
+        rep.leaving_since = None
         rep.restart_step = None
         rep.first_step, rep.progressed = None, False
         if rep.incarnation == 0:
@@ -433,6 +441,25 @@ class Supervisor:
                 self._event(rep, "exit", rank=rank, code=0, pid=rep.procs[rank].pid)
         if all(code == 0 for code in codes):
             rep.state = "done"
+            return
+        if any(code == 0 for code in codes):
+            running = [rank for rank, code in enumerate(codes) if code is None]
+            self._check_exit(rep, f"rank {codes.index(0)} exited 0 but ranks {running} still run")
+
+    def _check_exit(self, rep: _Replica, what: str) -> bool:
+        """A replica on its way out: True while it is still within exit_timeout_s; past that it is
+        hung on exit (a process SIGSTOPped or deadlocked in teardown never exits by itself, and the
+        launcher would wait for it forever): failed, so it is killed and restarted."""
+        now = time.monotonic()
+        if rep.leaving_since is None:
+            rep.leaving_since = now
+        if self.exit_timeout_s <= 0 or now - rep.leaving_since < self.exit_timeout_s:
+            return True
+        reason = (f"hung on exit for {now - rep.leaving_since:.0f}s (supervisor.exit_timeout_s="
+                  f"{self.exit_timeout_s:g}): {what}")
+        self._event(rep, "hang", reason=reason)
+        self._fail(rep, reason)
+        return False
 
     def _check_hangs(self) -> None:
         watched = [rep for rep in self._replicas.values()
@@ -462,8 +489,10 @@ class Supervisor:
             elif rep.member_seen and rep.missing_since is None:
                 rep.missing_since = now
             elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
-                if self._left_cleanly(rep):
-                    continue  # it revoked its lease on the way out: wait for the exit code instead
+                if self._left_cleanly(rep):  # it revoked its lease on the way out: wait for the exit code
+                    self._check_exit(rep, f"incarnation {rep.incarnation} left the job (left/{rep.rid}/"
+                                          f"{rep.incarnation}) but rank 0 (pid {rep.procs[0].pid}) still runs")
+                    continue
                 reason = (f"hung: members/{rep.rid} of incarnation {rep.incarnation} vanished (lease expired) "
                           f"{now - rep.missing_since:.1f}s ago while rank 0 (pid {rep.procs[0].pid}) still runs")
                 self._event(rep, "hang", reason=reason)

@@ -315,7 +315,7 @@ def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
         "from lightning_ft.coord.store import EtcdStore\n"
         "s = EtcdStore(os.environ['LFT_ETCD'])\n"
         "c = Coordinator(s, os.environ['LFT_JOB'], 0, int(os.environ['LFT_INCARNATION']), JobSpec(1, 1, 0.0, {}),\n"
-        "                lease_ttl_s=1)\n"
+        "                run=os.environ['LFT_RUN_ID'], lease_ttl_s=1)\n"
         "c.register(0)\n"
         "time.sleep(1.0)\n"
         "c.close(revoke=True)\n"
@@ -387,3 +387,65 @@ def test_a_resume_right_after_a_whole_job_kill_waits_for_the_dead_jobs_leases_th
     assert sup.run_id == "run-before" and time.monotonic() - t0 >= 1.0  # it waited for the lease
     assert store.get(keys.evict(root, 0, 0)) is None
     assert [r["to"] for r in read_rewinds(store, root).values()] == [5]
+
+
+def test_a_leader_stopped_after_it_left_the_job_is_killed_and_restarted_after_the_exit_timeout(etcd_endpoint,
+                                                                                                tmp_path):
+    """The 10-fault soak: an injected exception made a replica leave the job (left/{rid}/{inc}
+    written, lease revoked), then a SIGSTOP froze it in teardown. A clean leave means "wait for
+    the exit code", and the launcher waited for it forever. Past exit_timeout_s it is hung on
+    exit: killed, evicted and restarted."""
+    job = "stop" + uuid.uuid4().hex[:6]
+    script = tmp_path / "stops_in_teardown.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from lightning_ft.coord.coordinator import Coordinator\n"
+        "from lightning_ft.coord.quorum import JobSpec\n"
+        "from lightning_ft.coord.store import EtcdStore\n"
+        "if os.environ['LFT_INCARNATION'] != '0':\n"
+        "    raise SystemExit(0)\n"
+        "s = EtcdStore(os.environ['LFT_ETCD'])\n"
+        "c = Coordinator(s, os.environ['LFT_JOB'], 0, 0, JobSpec(1, 1, 0.0, {}), run=os.environ['LFT_RUN_ID'],\n"
+        "                lease_ttl_s=1)\n"
+        "c.register(0)\n"
+        "time.sleep(1.0)\n"
+        "c.close(revoke=True)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n")
+    sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
+                     secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3, restart_delay_s=0.1,
+                     exit_timeout_s=2.0)
+    try:
+        sup.start()
+        pid = status(sup, 0)["pids"][0]
+        t0 = time.monotonic()
+        assert sup.run(timeout_s=40) == 0
+        assert not alive(pid)
+    finally:
+        sup.shutdown()
+    evs = [json.loads(l) for l in open(tmp_path / "run" / "events.jsonl")]
+    assert seq(evs)[:4] == [("start", 0), ("hang", 0), ("evict", 0), ("restart", 1)], seq(evs)
+    assert "hung on exit" in evs[1]["reason"] and "left the job" in evs[1]["reason"], evs[1]
+    assert evs[-1]["event"] == "exit" and evs[-1]["code"] == 0 and evs[-1]["incarnation"] == 1
+    assert time.monotonic() - t0 >= 2.0
+
+
+def test_a_rank_left_running_after_another_exited_0_is_killed_after_the_exit_timeout(make):
+    """Rank 0 finished, rank 1 never does (deadlocked in teardown): the replica is not done, and
+    without a bound the launcher would wait for rank 1 forever."""
+    sup = make("0:0:0=exit:0:100", "0:0:1=sleep", "0:1:*=exit:0:100", replicas=1, nproc_per_replica=2,
+               exit_timeout_s=1.0, hang_check=False)
+    sup.start()
+    pid = status(sup, 0)["pids"][1]
+    assert sup.run(timeout_s=20) == 0
+    assert not alive(pid)
+    ev = events(make.run_dir)
+    hang = [e for e in ev if e["event"] == "hang"]
+    assert len(hang) == 1 and "rank 0 exited 0 but ranks [1] still run" in hang[0]["reason"], hang
+    assert ("restart", 1) in seq(ev) and status(sup, 0)["state"] == "done"
+
+
+def test_a_slow_but_finite_exit_within_the_exit_timeout_is_waited_for(make):
+    sup = make("0:0:0=exit:0:100", "0:0:1=exit:0:1200", replicas=1, nproc_per_replica=2, exit_timeout_s=5.0,
+               hang_check=False)
+    assert sup.run(timeout_s=20) == 0
+    assert [e["event"] for e in events(make.run_dir)] == ["start", "exit", "exit"]
