@@ -76,7 +76,8 @@ class Job:
         a = self.a
         cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(a.replicas),
                "--nproc-per-replica", "1", "--etcd", self.etcd, "--job", "soak", "--no-status",
-               "--max-restarts", "100000", "--timeout", str(a.timeout)]
+               "--max-restarts", "100000",
+               "--timeout", str(a.timeout + 120)]  # a backstop: the soak's own deadline reports and kills
         cmd += ["--resume", self.run_dir] if resume else ["--run-dir", self.run_dir]
         cmd += [TRAIN_LM, "--steps", str(a.steps), "--val-every", "1000000", "--batch", "8", "--d", "32",
                 "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
@@ -111,6 +112,17 @@ class Job:
         if self.proc is not None:
             self.proc.wait(30)
 
+    def replica_states(self) -> dict[int, dict]:
+        """Replica -> its newest steps.jsonl row (step, incarnation) and newest launcher event."""
+        states: dict[int, dict] = {r["rid"]: {"step": r["step"], "inc": r["inc"]} for r in self._last_rows()}
+        path = os.path.join(self.run_dir, "events.jsonl")
+        if os.path.exists(path):
+            for line in open(path):
+                ev = json.loads(line)
+                if isinstance(ev.get("replica"), int):
+                    states.setdefault(ev["replica"], {})["event"] = f"{ev['event']} (incarnation {ev.get('incarnation')})"
+        return states
+
     def _last_rows(self) -> list[dict]:
         """Each replica's newest complete steps.jsonl row (a replica without one is left out)."""
         rows = []
@@ -124,7 +136,7 @@ class Job:
             for line in reversed(lines):
                 try:
                     row = json.loads(line)
-                    rows.append({"t": float(row["t"]), "step": row["step"]})
+                    rows.append({"t": float(row["t"]), "step": row["step"], "rid": rid, "inc": row.get("inc")})
                     break
                 except (ValueError, KeyError):
                     continue
@@ -315,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             job.heal_etcd(after_s=3.0)
             job.heal_links()
             time.sleep(0.5)
+        timed_out = job.proc.poll() is None
+        if timed_out:  # say where each replica stood, then end it: the figures below still come out
+            log(f"the job did not finish within --timeout {a.timeout:.0f} s; last rows: {job.replica_states()}; "
+                f"killing it")
+            job.kill_all()
         job.proc.wait(30)
         wall = time.monotonic() - t0
         store = EtcdStore(srv.endpoint)
@@ -345,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                           "at_end": len(finals),
                           "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
                           "superseded": rep.superseded, "by_kind": by_kind, "launches": job.launches,
-                          "launcher_rc": job.proc.returncode, "wall_s": round(wall, 1)}), flush=True)
-        ok = (identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+                          "launcher_rc": job.proc.returncode, "timed_out": timed_out,
+                          "wall_s": round(wall, 1)}), flush=True)
+        ok = (not timed_out and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
               and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
         return 0 if ok else 1

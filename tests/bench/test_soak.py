@@ -14,17 +14,35 @@ from lightning_ft.bench import netns
 
 @pytest.mark.timeout(900)
 def test_ten_mixed_faults_lose_nothing_and_end_identical():
+    # 1200 steps: every planned fault lands before the end (faults wait for a commit and restarts take
+    # 10-30 s, so at 700 steps seed 2 injected only 4); the fault-free tail runs at ~20 steps/s.
     cmd = [sys.executable, "-m", "lightning_ft.bench.soak", "--faults", "10", "--every-s", "3", "--overlap", "0.3",
-           "--seed", "4", "--steps", "700", "--ckpt-every", "20", "--timeout", "800"]
+           "--seed", "4", "--steps", "1200", "--ckpt-every", "20", "--timeout", "800"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{"bench": "soak"')]
     assert lines, p.stdout[-3000:] + p.stderr[-6000:]
     r = lines[-1]
     assert r["faults"] >= 10 and r["overlapping"] >= 1, (r, p.stderr[-4000:])
     assert r["lost_batches"] == 0 and r["duplicate_batches"] == 0 and r["conflicts"] == 0, (r, p.stderr[-4000:])
-    assert r["identical"] and r["hangs"] == 0 and r["launcher_rc"] == 0, (r, p.stderr[-4000:])
+    assert r["identical"] and r["hangs"] == 0 and r["launcher_rc"] == 0 and not r["timed_out"], (r, p.stderr[-4000:])
     assert r["at_end"] >= 2, r  # a majority trained to the end (a late restart may find the job done)
-    assert r["steps"] == 700, r  # the ledger of the job's run holds every step of the final history
+    assert r["steps"] == 1200, r  # the ledger of the job's run holds every step of the final history
     if netns.skip_reason() is None:
         assert r["by_kind"].get("link", 0) >= 1, r  # a replica's network link was cut
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_job_that_outlives_the_timeout_is_reported_killed_and_cleaned_up():
+    """The soak's own deadline: it says where each replica stood, kills the job by PID, and still
+    prints its line (timed_out, exit 1) instead of a traceback with the job left running."""
+    cmd = [sys.executable, "-m", "lightning_ft.bench.soak", "--faults", "1", "--kinds", "kill", "--steps", "100000",
+           "--timeout", "25", "--seed", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{"bench": "soak"')]
+    assert lines and lines[-1]["timed_out"] is True, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 1
+    assert "did not finish within --timeout 25 s; last rows:" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    ps = subprocess.run(["pgrep", "-f", "examples/train_lm.py --steps 100000"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", f"replica processes left running: {ps.stdout}"
