@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(a.seed)
     planned = plan_kinds(kinds, a.faults, rng)
     tmp = tempfile.mkdtemp(prefix="lft-soak-")
+    keep_dir = ""
     run_dir = a.keep or os.path.join(tmp, "run")
     os.makedirs(run_dir, exist_ok=True)
     if not a.steps:  # up to 10 steps a second here (steady rounds), and faults wait for restarts: generous,
@@ -367,13 +368,16 @@ def main(argv: list[str] | None = None) -> int:
         ok = (not timed_out and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
               and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
+        if not ok and not a.keep:  # what went wrong is in there: keep it for whoever looks next
+            keep_dir = tmp
+            log(f"the soak failed; its run directory is kept at {run_dir} (events.jsonl, launcher.*.log, logs/)")
         return 0 if ok else 1
     finally:
         job.kill_all()
         if net is not None:
             net.close()
         srv.cleanup()
-        if not a.keep:
+        if not keep_dir:  # with --keep the run directory is elsewhere: tmp holds only etcd's data
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -4,6 +4,9 @@ nothing trained twice, identical replicas, no stall."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -44,5 +47,8 @@ def test_a_job_that_outlives_the_timeout_is_reported_killed_and_cleaned_up():
     assert p.returncode == 1
     assert "did not finish within --timeout 25 s; last rows:" in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    kept = re.search(r"its run directory is kept at (\S+) ", p.stderr)
+    assert kept and os.path.isdir(kept.group(1)), p.stderr[-3000:]  # a failed soak keeps what went wrong
+    shutil.rmtree(os.path.dirname(kept.group(1)), ignore_errors=True)
     ps = subprocess.run(["pgrep", "-f", "examples/train_lm.py --steps 100000"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", f"replica processes left running: {ps.stdout}"
