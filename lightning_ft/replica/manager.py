@@ -199,6 +199,10 @@ class ReplicaManager:
         """History generation of this replica's state (a rewind starts a new one)."""
         self.synced = False
         """The state comes from the job's history: it adopted or committed in `gen`."""
+        self._disowned = False
+        """The ledger refused our records of commits (our lease lapsed, or we were evicted): the
+        others may have redone those steps without us, so our state is not the job's history
+        even at the same step. Reported with no generation (not usable) until we adopt a state."""
         self.cursor = 0
         self.coord: Optional[Coordinator] = None
         self.ftar: Optional[FTAR] = None
@@ -396,10 +400,7 @@ class ReplicaManager:
                 if self._cursor_stale:  # a failed commit: others may have committed our batch
                     self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid, self.gen))
                     self._cursor_stale = False
-                state = dict(gen=self.gen, synced=self.synced, blame=self._blame, stop=self.request_stop,
-                             bad_checkpoints=tuple(sorted(self._bad_ckpts)))
-                if digest is not None:
-                    state.update(digest=digest[1], digest_step=digest[0])
+                state = self._report_state(digest)
                 q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
                                       ring_ok=self._ring_ok and not self.ftar.broken, **state)
                 if adopt_role(q, self.rid) == "catchup":
@@ -438,6 +439,16 @@ class ReplicaManager:
                         extra=rb.extra_of(self.rid) if rb is not None and role == "train" else ())
         self.last_plan = plan
         return plan
+
+    def _report_state(self, digest: Optional[tuple[int, str]] = None) -> dict[str, Any]:
+        """Leader: what our full-round report says about our state (Coordinator.quorum's fields).
+        A disowned state claims no generation, so the quorum never counts it as the job's."""
+        state: dict[str, Any] = dict(gen=-1 if self._disowned else self.gen,
+                                     synced=self.synced and not self._disowned, blame=self._blame,
+                                     stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)))
+        if digest is not None:
+            state.update(digest=digest[1], digest_step=digest[0])
+        return state
 
     def _steady_round(self) -> Any:
         """Leader: the next round without etcd when nothing changed (quorum.steady_next); else
@@ -719,6 +730,7 @@ class ReplicaManager:
         if vote != OK:
             return False
         self.step, self.gen, self.synced = q.max_step, q.gen, True
+        self._disowned = False
         if q.rewind is not None:
             cur = ledger.read_cursor(self._store, self.root, self.rid, q.gen) if self.is_leader else 0
             self.cursor = self._broadcast(cur)
@@ -819,6 +831,8 @@ class ReplicaManager:
         self.optimizer.zero_grad(set_to_none=True)
         q = plan.quorum
         self.step, self.gen, self.synced = plan.step + 1, q.gen, True
+        if plan.role != "train":  # a catch-up's state is the contributors' (a disowned one never trains)
+            self._disowned = False
         mine = (plan.batches or {}).get(self.rid)
         if mine is not None:  # we trained it, or (constant policy, catching up) someone did for us
             self.cursor = max(self.cursor, mine + 1)
@@ -843,8 +857,14 @@ class ReplicaManager:
             recs, self._unrecorded = self._unrecorded, []
         if recs and self.is_leader:
             if not ledger.record_commits(self._store, self.root, self.rid, recs, fence=self.coord.fence()):
+                # The 100-fault soak: a replica whose lease lapsed while its last ring completed (the
+                # others' failed) kept its step S+1, re-registered and reported it next to theirs,
+                # which they had redone without it: same step, other state. Majorities healed it;
+                # with two replicas left the divergence guard halted the job.
+                self._disowned = True
                 log.warning("replica %d: the ledger refused our records of steps %d..%d (evicted or our lease "
-                            "lapsed); the others decide without them", self.rid, recs[0][0], recs[-1][0])
+                            "lapsed): the others may have redone them without us, so this replica adopts a "
+                            "member's state before it trains again", self.rid, recs[0][0], recs[-1][0])
 
     def _vote(self, vote: int) -> int:
         if self.pg is None and self.world == 1:

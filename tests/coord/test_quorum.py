@@ -566,3 +566,26 @@ def test_steady_retraction_reports_for_the_failed_rounds_number():
     # had r2 reported for 17 (not retracted), round 16 would take it in while it waits for 17
     q = decide(16, [srep(0, 6, round=16), srep(2, 6, round=17)], previous=prev).quorum
     assert 2 in q.members
+
+
+def test_a_disowned_state_at_the_top_step_is_lagging_not_a_second_opinion():
+    """The halted 100-fault soak: r1's lease lapsed while its ring completed (the others' failed),
+    so it kept a step 10 that r0 redid without it. Its records were refused, so it reports no
+    generation (ReplicaManager._report_state): r0 alone trains, r1 catches up; nothing halts."""
+    prev = quorum_of((0,), 9, round=9, verified_step=5)
+    reports = [srep(0, 10, 10, digest="aa", digest_step=10),
+               srep(1, 10, 10, gen=-1, synced=False, digest="bb", digest_step=10)]
+    d = decide(10, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP), history=History(committed_step=10))
+    q = d.quorum
+    assert d.halt == "" and q is not None and q.kind == TRAIN, d.reason
+    assert q.contributors == (0,) and q.lagging == (1,) and q.diverged == ()
+    assert adopt_role(q, 1) == "catchup"
+
+
+def test_only_disowned_states_left_rewind_to_the_checkpoint_instead_of_adopting_one():
+    prev = quorum_of((0, 1), 9, round=9)
+    reports = [srep(1, 10, 10, gen=-1, synced=False)]
+    d = decide(10, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP),
+               history=History(committed_step=10, checkpoints=((8, "/c/step_8"),)))
+    q = d.quorum
+    assert q is not None and q.kind == SYNC and q.rewind["to"] == 8 and q.rewind["checkpoint"] == "/c/step_8", d.reason

@@ -1,0 +1,53 @@
+"""A replica whose commit records the ledger refused (its lease lapsed, or it was evicted) holds
+a state the job may have redone without it: it must not count as the job's state again.
+
+The halted 100-fault soak: r's lease lapsed while its last ring completed and the others'
+failed. It kept step S+1, re-registered as a joiner and reported S+1 beside the others' S+1,
+which they had redone without it. Majorities healed it by the divergence guard; with one
+replica down the two disagreeing ones halted the job."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.quorum import JobSpec
+from lightning_ft.coord.store import MemoryStore
+from lightning_ft.replica import data as ledger
+from lightning_ft.replica.manager import ReplicaManager
+
+
+def _manager(store: MemoryStore, hang_timeout_s: float) -> ReplicaManager:
+    model = torch.nn.Linear(4, 2)
+    m = ReplicaManager(model, torch.optim.SGD(model.parameters(), lr=0.1), job="j", rid=1, incarnation=0,
+                       num_replicas=2, secret="s" * 16, store=store)
+    m.coord = Coordinator(store, "j", 1, 0, JobSpec(2, 1, 0.1, {}), lease_ttl_s=0.3, hang_timeout_s=hang_timeout_s)
+    m.coord.register(5, gen=0, synced=True)
+    m.root, m.step, m.gen, m.synced = m.coord.root, 6, 0, True
+    m._unrecorded.append((5, 0, 3, 0, {1: 7}))  # (step, epoch, round, gen, batches) of our last commit
+    return m
+
+
+def test_records_refused_after_a_lapsed_lease_disown_the_state():
+    s = MemoryStore()
+    m = _manager(s, hang_timeout_s=0.4)
+    deadline = time.monotonic() + 5
+    while s.get(f"{m.root}members/1") is not None:  # no progress: the keepalive lets the lease lapse
+        assert time.monotonic() < deadline, "the lease did not lapse"
+        time.sleep(0.02)
+    m.flush_ledger()
+    assert not ledger.recorded(s, m.root, 0, 5)  # fenced: the lapsed incarnation records nothing
+    state = m._report_state()
+    assert state["gen"] == -1 and state["synced"] is False  # not usable: the quorum makes it adopt
+    m.coord.close(), s.close()
+
+
+def test_records_written_under_a_live_lease_keep_the_state_the_jobs():
+    s = MemoryStore()
+    m = _manager(s, hang_timeout_s=30.0)
+    m.flush_ledger()
+    assert ledger.recorded(s, m.root, 0, 5)
+    state = m._report_state(digest=(6, "ab"))
+    assert state["gen"] == 0 and state["synced"] is True and state["digest"] == "ab" and state["digest_step"] == 6
+    m.coord.close(), s.close()
