@@ -33,6 +33,10 @@ Rules, in order:
 8. Sync. Contributors are the synced members (committed or adopted in this generation)
    at M. When there are none (the job's first round, or after `--resume`), the round is a
    *sync* round: everyone adopts the state of the lowest-id member at M, nobody trains.
+   Provenance: each report names the (round, epoch) that made its state (`made`). Of the
+   contributors only those made by the newest round count; older ones are *stale* (that
+   round redid their step without them, e.g. after their lease lapsed) and catch up. Sync
+   and rewind sources are likewise the newest-made state at M, then the lowest id.
 9. Divergence guard. Contributors that report a state digest of step M are compared: a
    minority group is *diverged* and heals as lagging (catch-up from the majority); with
    no strict majority the job halts (`Decision.halt`) naming the replicas and the step.
@@ -97,6 +101,9 @@ class Report:
     stop: bool = False
     """The training loop asked to stop (Lightning's `trainer.should_stop`): the job stops
     when the round that carries it commits, on every replica at the same step."""
+    made: tuple[int, int] = (-1, -1)
+    """(round, epoch) of the round that made this state: its last commit, or the sync round
+    in which it adopted (or was the source). (-1, -1): not known (a fresh process). Rule 8."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -106,6 +113,7 @@ class Report:
         d = json.loads(raw)
         for k in ("addrs", "state_addrs", "blame", "bad_checkpoints"):
             d[k] = tuple(d.get(k, ()))
+        d["made"] = tuple(d.get("made", (-1, -1)))
         return cls(**d)
 
 
@@ -325,7 +333,7 @@ def compute_quorum(
                                   f"fresh replica", refused)
         gen += 1
         if top >= ck_step:
-            max_step, source, ck_path, ck_step = top, min(r for r, s in usable.items() if s == top), "", -1
+            max_step, source, ck_path, ck_step = top, _newest(valid, usable, top), "", -1
             src_text = f"r{source}'s state" if top > 0 else f"step 0 (no checkpoint; initial state of r{source})"
         else:
             max_step, source = ck_step, members[0]
@@ -337,9 +345,20 @@ def compute_quorum(
     else:
         max_step = top
         contributors = tuple(r for r in members if usable.get(r) == top and valid[r].synced and valid[r].gen == gen)
-        if not contributors:
+        if contributors:
+            # Rule 8, provenance: states at the same step made by different rounds are not the
+            # same state. The newer round redid the step without the older one's makers (their
+            # lease lapsed, they were excluded): the older ones are stale, and heal by catch-up.
+            newest = max(valid[r].made for r in contributors)
+            stale = [r for r in contributors if valid[r].made < newest]
+            if stale:
+                contributors = tuple(r for r in contributors if valid[r].made == newest)
+                notes.append(f"stale {_names(stale)} at step {max_step}: made by round "
+                             + ", ".join(f"{valid[r].made[0]} (r{r})" for r in stale)
+                             + f", which round {newest[0]} redid without them; healing by catch-up")
+        else:
             kind = SYNC
-            contributors = (min(r for r, s in usable.items() if s == top),)
+            contributors = (_newest(valid, usable, top),)
             notes.append(f"sync: every replica adopts r{contributors[0]}'s state")
 
     # Rule 9: the divergence guard.
@@ -406,6 +425,14 @@ def compute_quorum(
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
                quarantine=quarantine, stop=any(valid[r].stop for r in members))
     return Decision(q, reason, refused, diverged=diverged)
+
+
+def _newest(valid: Mapping[int, Report], usable: Mapping[int, int], top: int) -> int:
+    """The source among the usable states at `top`: the one made by the newest round (rule 8),
+    then the lowest id."""
+    at_top = [r for r, s in usable.items() if s == top]
+    newest = max(valid[r].made for r in at_top)
+    return min(r for r in at_top if valid[r].made == newest)
 
 
 def _strikes(round: int, valid: Mapping[int, Report], previous: Optional[Quorum]

@@ -203,6 +203,9 @@ class ReplicaManager:
         """The ledger refused our records of commits (our lease lapsed, or we were evicted): the
         others may have redone those steps without us, so our state is not the job's history
         even at the same step. Reported with no generation (not usable) until we adopt a state."""
+        self._made: tuple[int, int] = (-1, -1)
+        """(round, epoch) of the round that made our state: the last commit, or the sync round
+        we adopted in or were the source of (reported; quorum rule 8, provenance)."""
         self.cursor = 0
         self.coord: Optional[Coordinator] = None
         self.ftar: Optional[FTAR] = None
@@ -445,7 +448,8 @@ class ReplicaManager:
         A disowned state claims no generation, so the quorum never counts it as the job's."""
         state: dict[str, Any] = dict(gen=-1 if self._disowned else self.gen,
                                      synced=self.synced and not self._disowned, blame=self._blame,
-                                     stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)))
+                                     stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
+                                     made=self._made)
         if digest is not None:
             state.update(digest=digest[1], digest_step=digest[0])
         return state
@@ -730,7 +734,7 @@ class ReplicaManager:
         if vote != OK:
             return False
         self.step, self.gen, self.synced = q.max_step, q.gen, True
-        self._disowned = False
+        self._disowned, self._made = False, (q.round, q.epoch)
         if q.rewind is not None:
             cur = ledger.read_cursor(self._store, self.root, self.rid, q.gen) if self.is_leader else 0
             self.cursor = self._broadcast(cur)
@@ -831,6 +835,7 @@ class ReplicaManager:
         self.optimizer.zero_grad(set_to_none=True)
         q = plan.quorum
         self.step, self.gen, self.synced = plan.step + 1, q.gen, True
+        self._made = (q.round, q.epoch)
         if plan.role != "train":  # a catch-up's state is the contributors' (a disowned one never trains)
             self._disowned = False
         mine = (plan.batches or {}).get(self.rid)

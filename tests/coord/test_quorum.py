@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -210,10 +211,10 @@ from lightning_ft.coord.quorum import QUARANTINE_ROUNDS, STRIKES, SYNC, TRAIN, H
 
 
 def srep(rid, step=0, round=1, inc=0, gen=0, synced=True, digest="", digest_step=-1, ring_ok=True, blame=(),
-         bad=()):
+         bad=(), made=(-1, -1)):
     return Report(rid=rid, incarnation=inc, step=step, round=round, fingerprint=FP, addrs=(f"h:{1000 + rid}",),
                   gen=gen, synced=synced, digest=digest, digest_step=digest_step, ring_ok=ring_ok, blame=blame,
-                  bad_checkpoints=bad)
+                  bad_checkpoints=bad, made=made)
 
 
 def quorum_of(members, step, round=0, gen=0, epoch=0, incs=None, **kw):
@@ -589,3 +590,79 @@ def test_only_disowned_states_left_rewind_to_the_checkpoint_instead_of_adopting_
                history=History(committed_step=10, checkpoints=((8, "/c/step_8"),)))
     q = d.quorum
     assert q is not None and q.kind == SYNC and q.rewind["to"] == 8 and q.rewind["checkpoint"] == "/c/step_8", d.reason
+
+
+# -- rule 8, provenance: the same step made by two rounds ------------------------------------------
+
+def test_a_state_made_by_an_older_round_at_the_top_step_is_stale_and_catches_up():
+    """r2 committed step 9 in round 7 (epoch 3) just as its lease lapsed; r0 and r1 redid step 9
+    without it in round 9 (epoch 4). Its ledger records went in anyway (say it was excluded, not
+    fenced), so it reports its generation: only provenance tells the two step-10 states apart."""
+    prev = quorum_of((0, 1), 10, round=9, epoch=4)
+    reports = [srep(0, 10, 10, made=(9, 4), digest="aa", digest_step=10),
+               srep(1, 10, 10, made=(9, 4), digest="aa", digest_step=10),
+               srep(2, 10, 10, made=(7, 3), digest="bb", digest_step=10)]
+    d = decide(10, reports, previous=prev, job=JobSpec(3, 1, 10.0, FP), history=History(committed_step=10))
+    q = d.quorum
+    assert d.halt == "" and q.kind == TRAIN and q.contributors == (0, 1) and q.lagging == (2,), d.reason
+    assert q.diverged == () and adopt_role(q, 2) == "catchup"
+    assert "stale r2 at step 10: made by round 7 (r2), which round 9 redid without them" in d.reason
+
+
+def test_provenance_prevents_a_halt_when_two_disagreeing_states_are_left():
+    """The halted soak's shape: one member down, the two left at the same step with different
+    digests. Without provenance this is 'no majority' (a halt); with it the older one heals."""
+    prev = quorum_of((0,), 10, round=12, epoch=6)
+    reports = [srep(0, 10, 13, made=(12, 6), digest="aa", digest_step=10),
+               srep(1, 10, 13, made=(8, 5), digest="bb", digest_step=10)]
+    d = decide(13, reports, previous=prev, job=JobSpec(3, 1, 10.0, FP), history=History(committed_step=10))
+    q = d.quorum
+    assert d.halt == "" and q.contributors == (0,) and q.lagging == (1,), d.reason
+    # The same reports without provenance: no majority, the job halts.
+    bare = [dataclasses.replace(r, made=(-1, -1)) for r in reports]
+    assert decide(13, bare, previous=prev, job=JobSpec(3, 1, 10.0, FP),
+                  history=History(committed_step=10)).halt != ""
+
+
+def test_a_full_round_that_redoes_a_failed_steady_round_wins_by_its_epoch():
+    """A steady round and the full round that replaces it can share a round number (retract_steady):
+    the full one has the higher epoch (ring reset or membership change), so it is the newer."""
+    prev = quorum_of((0, 1), 5, round=6, epoch=3)
+    reports = [srep(0, 6, 7, made=(6, 3)), srep(1, 6, 7, made=(6, 2))]
+    q = decide(7, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP), history=History(committed_step=6)).quorum
+    assert q.contributors == (0,) and q.lagging == (1,)
+
+
+def test_states_made_by_the_same_round_all_contribute():
+    prev = quorum_of((0, 1, 2), 10, round=9, epoch=4)
+    reports = [srep(r, 10, 10, made=(9, 4)) for r in range(3)]
+    d = decide(10, reports, previous=prev, job=JobSpec(3, 1, 10.0, FP), history=History(committed_step=10))
+    assert d.quorum.contributors == (0, 1, 2) and d.quorum.lagging == () and "stale" not in d.reason
+
+
+def test_a_lagging_member_made_by_an_old_round_is_only_lagging():
+    """Provenance compares states at the top step only: a member behind is lagging anyway."""
+    prev = quorum_of((0, 1), 10, round=9, epoch=4)
+    reports = [srep(0, 10, 10, made=(9, 4)), srep(1, 8, 10, made=(20, 9))]
+    q = decide(10, reports, previous=prev, job=JobSpec(2, 1, 10.0, FP), history=History(committed_step=10)).quorum
+    assert q.contributors == (0,) and q.lagging == (1,) and q.max_step == 10
+
+
+def test_a_rewind_and_a_sync_take_the_newest_made_state_as_source():
+    # Rewind: the job reached 12, only states at 10 survive; r2's is the newer of the two.
+    prev = quorum_of((0, 1, 2), 12, round=20, epoch=8)
+    reports = [srep(1, 10, 21, made=(14, 6)), srep(2, 10, 21, made=(17, 7))]
+    q = decide(21, reports, previous=prev, job=JobSpec(3, 1, 10.0, FP), history=History(committed_step=12)).quorum
+    assert q.kind == SYNC and q.rewind is not None and q.source == 2 and q.max_step == 10
+    # Sync (nobody synced): the newest-made state at the top is everyone's.
+    reports = [srep(0, 10, 0, synced=False, made=(3, 1)), srep(1, 10, 0, synced=False, made=(5, 2))]
+    q = decide(0, reports, job=JobSpec(2, 1, 0.0, FP)).quorum
+    assert q.kind == SYNC and q.source == 1
+
+
+def test_the_made_field_round_trips_through_json_and_defaults_for_old_reports():
+    r = srep(0, 3, 4, made=(4, 2))
+    assert Report.from_json(r.to_json()) == r
+    old = json.loads(r.to_json())
+    del old["made"]
+    assert Report.from_json(json.dumps(old).encode()).made == (-1, -1)

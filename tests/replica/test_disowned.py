@@ -51,3 +51,30 @@ def test_records_written_under_a_live_lease_keep_the_state_the_jobs():
     state = m._report_state(digest=(6, "ab"))
     assert state["gen"] == 0 and state["synced"] is True and state["digest"] == "ab" and state["digest_step"] == 6
     m.coord.close(), s.close()
+
+
+class _Server:
+    def freeze(self) -> float:
+        return 0.0
+
+
+def test_a_commit_names_its_round_in_the_next_report():
+    """Provenance (quorum rule 8): the report says which round made the state, so a state kept
+    from a round the others redid without us is stale even when nothing fenced our records."""
+    from lightning_ft.coord.quorum import Quorum
+    from lightning_ft.replica.manager import OK, StepPlan
+
+    s = MemoryStore()
+    m = _manager(s, hang_timeout_s=30.0)
+    m.server = _Server()
+    assert m._report_state()["made"] == (-1, -1)  # a fresh process: not known
+    q = Quorum(round=12, epoch=4, members=(0, 1), incarnations=(0, 0), max_step=6, contributors=(0, 1), lagging=(),
+               gen=0)
+    m.last_plan = StepPlan(step=6, quorum=q, role="train", divisor=2, lr_factor=1.0, batch_index=7, batches={0: 6, 1: 7})
+    for p in m.model.parameters():
+        p.grad = torch.ones_like(p)
+    assert m.commit(OK)
+    assert m.step == 7 and m._report_state()["made"] == (12, 4)
+    assert not m.commit(0)  # a failed commit changes nothing
+    assert m._report_state()["made"] == (12, 4)
+    m.coord.close(), s.close()
