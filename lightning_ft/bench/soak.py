@@ -22,7 +22,9 @@ prints one line:
 
     {"bench": "soak", "faults": N, "overlapping": n, "lost_batches": 0, "duplicate_batches": 0,
      "at_end": replicas that trained to the last step (compared for "identical"),
-     "rewinds": r, "identical": true, "hangs": 0, "ett": ...}
+     "rewinds": r, "identical": true, "hangs": 0, "ett": ...,
+     "heals": {"disowned": .., "stale": .., "diverged": ..}: how often each guard against two
+     states at one step fired (docs/ARCHITECTURE.md, "History generations"), ...}
 """
 from __future__ import annotations
 
@@ -231,6 +233,26 @@ def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
     return sum(1 for x, y in zip(ts, ts[1:]) if y - x >= hang_s)
 
 
+HEALS = ("disowned", "stale", "diverged")
+
+
+def heals(run_dir: str) -> dict[str, int]:
+    """How often each guard against a second state at one step fired (events.jsonl): a replica
+    whose ledger records were refused (disowned), a state made by a redone round (stale), a
+    digest that disagreed with the majority (diverged)."""
+    got = dict.fromkeys(HEALS, 0)
+    path = os.path.join(run_dir, "events.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                name = json.loads(line).get("event")
+            except ValueError:
+                continue
+            if name in got:
+                got[name] += 1
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     from lightning_ft.bench import netns
     from lightning_ft.coord.runs import recorded_root
@@ -362,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                           "conflicts": len(rep.conflicts), "rewinds": len(rep.rewinds), "identical": identical,
                           "at_end": len(finals),
                           "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
-                          "superseded": rep.superseded, "by_kind": by_kind, "launches": job.launches,
+                          "superseded": rep.superseded, "heals": heals(run_dir), "by_kind": by_kind,
+                          "launches": job.launches,
                           "launcher_rc": job.proc.returncode, "timed_out": timed_out,
                           "wall_s": round(wall, 1)}), flush=True)
         ok = (not timed_out and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0

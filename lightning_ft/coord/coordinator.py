@@ -450,6 +450,8 @@ class Coordinator:
             return
         for rid, (mine, majority) in decision.diverged.items():
             self._emit("diverged", replica=rid, step=q.max_step, digest=mine, majority=majority, round=round)
+        for rid, (made, newest) in decision.stale.items():
+            self._emit("stale", replica=rid, step=q.max_step, made=list(made), newest=list(newest), round=round)
         if q.rewind is not None:
             self._emit("rewind", round=round, gen=q.gen, source=q.source, **{k: v for k, v in q.rewind.items()})
         prev_q = {r for r, _, _ in (self._current.quarantine if self._current else ())}

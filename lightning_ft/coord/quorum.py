@@ -235,6 +235,8 @@ class Decision:
     """Non-empty: the job must stop (states diverged with no majority); the reason."""
     diverged: Mapping[int, tuple[str, str]] = field(default_factory=dict)
     """Replica id -> (its digest, the majority's digest), for the `diverged` event."""
+    stale: Mapping[int, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    """Replica id -> (the (round, epoch) that made its state, the newest), for the `stale` event."""
 
 
 SECRET_FIELD = "secret_tag"
@@ -323,6 +325,7 @@ def compute_quorum(
     usable = {r: valid[r].step for r in members if valid[r].gen == gen or valid[r].step == 0}
     top = max(usable.values(), default=-1)
     kind, rewind, notes = TRAIN, None, []
+    stale: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
     if top < history.committed_step:
         bad = {s for r in members for s in valid[r].bad_checkpoints}
         ckpts = sorted((s, p) for s, p in history.checkpoints if s <= history.committed_step and s not in bad)
@@ -350,7 +353,7 @@ def compute_quorum(
             # same state. The newer round redid the step without the older one's makers (their
             # lease lapsed, they were excluded): the older ones are stale, and heal by catch-up.
             newest = max(valid[r].made for r in contributors)
-            stale = [r for r in contributors if valid[r].made < newest]
+            stale = {r: (valid[r].made, newest) for r in contributors if valid[r].made < newest}
             if stale:
                 contributors = tuple(r for r in contributors if valid[r].made == newest)
                 notes.append(f"stale {_names(stale)} at step {max_step}: made by round "
@@ -424,7 +427,7 @@ def compute_quorum(
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
                quarantine=quarantine, stop=any(valid[r].stop for r in members))
-    return Decision(q, reason, refused, diverged=diverged)
+    return Decision(q, reason, refused, diverged=diverged, stale=stale)
 
 
 def _newest(valid: Mapping[int, Report], usable: Mapping[int, int], top: int) -> int:

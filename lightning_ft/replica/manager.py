@@ -870,6 +870,7 @@ class ReplicaManager:
                 log.warning("replica %d: the ledger refused our records of steps %d..%d (evicted or our lease "
                             "lapsed): the others may have redone them without us, so this replica adopts a "
                             "member's state before it trains again", self.rid, recs[0][0], recs[-1][0])
+                self.event("disowned", steps=[recs[0][0], recs[-1][0]])
 
     def _vote(self, vote: int) -> int:
         if self.pg is None and self.world == 1:

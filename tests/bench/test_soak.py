@@ -28,6 +28,7 @@ def test_ten_mixed_faults_lose_nothing_and_end_identical():
     assert r["faults"] >= 10 and r["overlapping"] >= 1, (r, p.stderr[-4000:])
     assert r["lost_batches"] == 0 and r["duplicate_batches"] == 0 and r["conflicts"] == 0, (r, p.stderr[-4000:])
     assert r["identical"] and r["hangs"] == 0 and r["launcher_rc"] == 0 and not r["timed_out"], (r, p.stderr[-4000:])
+    assert set(r["heals"]) == {"disowned", "stale", "diverged"}, r
     assert r["at_end"] >= 2, r  # a majority trained to the end (a late restart may find the job done)
     assert r["steps"] == 1200, r  # the ledger of the job's run holds every step of the final history
     if netns.skip_reason() is None:
@@ -52,3 +53,13 @@ def test_a_job_that_outlives_the_timeout_is_reported_killed_and_cleaned_up():
     shutil.rmtree(os.path.dirname(kept.group(1)), ignore_errors=True)
     ps = subprocess.run(["pgrep", "-f", "examples/train_lm.py --steps 100000"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", f"replica processes left running: {ps.stdout}"
+
+
+def test_the_soak_counts_each_guard_that_fired_from_the_events(tmp_path):
+    from lightning_ft.bench.soak import heals
+
+    rows = [{"event": "disowned", "replica": 1}, {"event": "stale", "replica": 2}, {"event": "stale", "replica": 1},
+            {"event": "restart", "replica": 0}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "trunc')
+    assert heals(str(tmp_path)) == {"disowned": 1, "stale": 2, "diverged": 0}
+    assert heals(str(tmp_path / "none")) == {"disowned": 0, "stale": 0, "diverged": 0}

@@ -301,3 +301,25 @@ def test_a_failed_steady_round_is_retracted_unless_it_was_recorded(recorded):
         assert qa.round == qb.round == want and qa == qb and set(qa.members) == {0, 1}, (qa, qb)
     finally:
         a.close(), b.close(), s.close()
+
+
+def test_a_state_made_by_an_older_round_is_decided_stale_with_an_event():
+    """Provenance through the store: both report step 4 of the same generation, r1's made by an
+    older round. The decider makes r1 lagging and records a `stale` event naming both rounds."""
+    s = MemoryStore()
+    spec = JobSpec(2, 1, 5.0, {"job": "j"})
+    events = []
+    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1, on_event=lambda name, **f: events.append((name, f)))
+    b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=1, on_event=lambda name, **f: events.append((name, f)))
+    a.register(4, gen=0, synced=True)
+    b.register(4, gen=0, synced=True)
+    out = {}
+    tb = threading.Thread(target=lambda: out.__setitem__("b", b.quorum(4, timeout_s=5, gen=0, synced=True,
+                                                                        made=(3, 1))))
+    tb.start()
+    qa = a.quorum(4, timeout_s=5, gen=0, synced=True, made=(5, 2))
+    tb.join(6)
+    assert qa == out["b"] and qa.contributors == (0,) and qa.lagging == (1,), qa.reason
+    stale = [f for name, f in events if name == "stale"]
+    assert stale == [dict(replica=1, step=4, made=[3, 1], newest=[5, 2], round=0)], events
+    a.close(), b.close(), s.close()
