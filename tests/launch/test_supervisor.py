@@ -303,23 +303,30 @@ def test_a_command_that_cannot_start_says_so(etcd_endpoint, tmp_path):
         sup.shutdown()
 
 
-def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
-    """A leader that writes left/{rid}/{inc} and revokes its lease, then takes a while to
-    exit, is waited for, not killed as hung."""
-    job = "left" + uuid.uuid4().hex[:6]
-    script = tmp_path / "slow_exit.py"
-    script.write_text(
-        "import os, time\n"
+def _leaving_leader(path, tail: str, first_only: bool = False):
+    """A leader script that registers in the run, leaves the job a second later (left/{rid}/{inc}
+    written, lease revoked), then runs `tail` (its teardown). `first_only`: later incarnations
+    exit 0 at once."""
+    path.write_text(
+        "import os, signal, time\n"
         "from lightning_ft.coord.coordinator import Coordinator\n"
         "from lightning_ft.coord.quorum import JobSpec\n"
         "from lightning_ft.coord.store import EtcdStore\n"
-        "s = EtcdStore(os.environ['LFT_ETCD'])\n"
+        + ("if os.environ['LFT_INCARNATION'] != '0':\n    raise SystemExit(0)\n" if first_only else "")
+        + "s = EtcdStore(os.environ['LFT_ETCD'])\n"
         "c = Coordinator(s, os.environ['LFT_JOB'], 0, int(os.environ['LFT_INCARNATION']), JobSpec(1, 1, 0.0, {}),\n"
         "                run=os.environ['LFT_RUN_ID'], lease_ttl_s=1)\n"
         "c.register(0)\n"
         "time.sleep(1.0)\n"
-        "c.close(revoke=True)\n"
-        "time.sleep(1.5)  # a slow interpreter teardown\n")
+        "c.close(revoke=True)\n" + tail)
+    return path
+
+
+def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
+    """A leader that writes left/{rid}/{inc} and revokes its lease, then takes a while to
+    exit, is waited for, not killed as hung."""
+    job = "left" + uuid.uuid4().hex[:6]
+    script = _leaving_leader(tmp_path / "slow_exit.py", "time.sleep(1.5)  # a slow interpreter teardown\n")
     sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
                      secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3, restart_delay_s=0.1)
     try:
@@ -396,21 +403,8 @@ def test_a_leader_stopped_after_it_left_the_job_is_killed_and_restarted_after_th
     the exit code", and the launcher waited for it forever. Past exit_timeout_s it is hung on
     exit: killed, evicted and restarted."""
     job = "stop" + uuid.uuid4().hex[:6]
-    script = tmp_path / "stops_in_teardown.py"
-    script.write_text(
-        "import os, signal, time\n"
-        "from lightning_ft.coord.coordinator import Coordinator\n"
-        "from lightning_ft.coord.quorum import JobSpec\n"
-        "from lightning_ft.coord.store import EtcdStore\n"
-        "if os.environ['LFT_INCARNATION'] != '0':\n"
-        "    raise SystemExit(0)\n"
-        "s = EtcdStore(os.environ['LFT_ETCD'])\n"
-        "c = Coordinator(s, os.environ['LFT_JOB'], 0, 0, JobSpec(1, 1, 0.0, {}), run=os.environ['LFT_RUN_ID'],\n"
-        "                lease_ttl_s=1)\n"
-        "c.register(0)\n"
-        "time.sleep(1.0)\n"
-        "c.close(revoke=True)\n"
-        "os.kill(os.getpid(), signal.SIGSTOP)\n")
+    script = _leaving_leader(tmp_path / "stops_in_teardown.py", "os.kill(os.getpid(), signal.SIGSTOP)\n",
+                             first_only=True)
     sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
                      secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3, restart_delay_s=0.1,
                      exit_timeout_s=2.0)
