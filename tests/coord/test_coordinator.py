@@ -311,8 +311,8 @@ def test_a_state_made_by_an_older_round_is_decided_stale_with_an_event():
     events = []
     a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1, on_event=lambda name, **f: events.append((name, f)))
     b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=1, on_event=lambda name, **f: events.append((name, f)))
-    a.register(4, gen=0, synced=True)
-    b.register(4, gen=0, synced=True)
+    a.register(4, gen=0, synced=True, made=(5, 2))  # whoever decides round 0 sees both reports as made
+    b.register(4, gen=0, synced=True, made=(3, 1))
     out = {}
     tb = threading.Thread(target=lambda: out.__setitem__("b", b.quorum(4, timeout_s=5, gen=0, synced=True,
                                                                         made=(3, 1))))
