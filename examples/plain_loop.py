@@ -48,6 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hang-at", type=int, default=-1, help="SIGSTOP self before this step (incarnation 0)")
     p.add_argument("--fail-commit-at", type=int, default=-1,
                    help="vote 'failed' after exchanging this step (incarnation 0): a partial completion")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip the averaged gradients' norm to this (0: no clipping), in catch-ups too")
     p.add_argument("--failures", default="", help="injections 'REPLICA@STEP:KIND,...' (kill, hang, exception, corrupt)")
     p.add_argument("--ttl", type=float, default=3.0)
     p.add_argument("--ftar-timeout", type=float, default=5.0)
@@ -228,6 +230,12 @@ def main(argv: list[str]) -> int:
 
     mgr.exchange = failing_exchange
 
+    def clip() -> None:  # on the averaged gradients, the same on every replica
+        nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+
+    if a.clip:
+        mgr.clip_catchup = clip
+
     def compute(plan) -> None:
         ids = stream.batch(rid, plan.batch_index)[rank::world]
         x, y = data.get(ids)
@@ -260,7 +268,7 @@ def main(argv: list[str]) -> int:
             if inc == 0 and mgr.step == a.hang_at and leader:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
-            mgr.run_step(compute)
+            mgr.run_step(compute, after_exchange=clip if a.clip else None)
         mgr.mark_finished()  # a replica restarted from now on finds nothing to train (no lone rewind)
         digests = mgr.gather(state_digest(model, opt))
         if leader:

@@ -238,6 +238,11 @@ class ReplicaManager:
         """Ask the job to stop (reported with every round until a round carries it)."""
         self.on_retry: Optional[Callable[[StepPlan], None]] = None
         """Called when a round's commit failed (the step is retried in a new round)."""
+        self.clip_catchup: Optional[Callable[[], None]] = None
+        """Applied to the averaged gradients before a catch-up's optimizer step, on every rank
+        after the vote: what a contributor's `after_exchange` does to them (gradient clipping),
+        without its user hooks. Without it a catch-up applied unclipped gradients where the
+        contributors clipped, and the caught-up replica diverged (the typical program)."""
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, *, job: str, rid: int,
@@ -823,6 +828,8 @@ class ReplicaManager:
             if self.on_retry is not None:
                 self.on_retry(plan)
             return False
+        if plan.role == "catchup" and self.clip_catchup is not None:
+            self.clip_catchup()  # the contributors clipped these averaged gradients too
         self.stats.freeze_s = self.server.freeze()
         saved = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:

@@ -286,6 +286,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
             run_dir=self._renv.run_dir, run_id=self._renv.run_id)
         self.mgr.on_commit = self._on_commit
+        self.mgr.clip_catchup = self._clip_catchup
         resume = os.environ.get("LFT_RESUME")
         if resume:
             t0 = time.perf_counter()
@@ -511,6 +512,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _log_step(self, loss: Any, caught_up: bool, seconds: float) -> None:
         if self.global_rank == 0 and self._steplog is not None:
             self._steplog.write(self.mgr, loss, caught_up, seconds, self._phase)
+
+    def _clip_catchup(self) -> None:
+        """A catch-up's optimizer step: clip the averaged gradients as the contributors did in
+        `_after_closure` (Lightning's clipping and the module's configure_gradient_clipping),
+        but run none of the on_before_optimizer_step hooks: a late replica runs no user hook."""
+        module = self.lightning_module
+        trainer = module.trainer
+        self.precision_plugin._clip_gradients(module, self.optimizers[0], trainer.gradient_clip_val,
+                                              gradient_clip_algorithm=trainer.gradient_clip_algorithm)
 
     def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> Any:
         """Redo the window's forward/backward on the caught-up weights (automatic optimization)."""

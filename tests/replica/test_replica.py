@@ -183,3 +183,22 @@ def test_catchup_of_a_100mb_state_is_faster_than_a_step_and_does_not_slow_the_he
     # Nor does the next round wait for the caught-up replica to finish its step.
     after = r0.wait_for(lambda x: x.get("event") == "step" and x["step"] == healthy["step"] + 1, 30)
     assert after["dt"] < max(steady) + 0.1 * step_s, (after["dt"], steady)
+
+
+def test_a_catch_up_clips_the_averaged_gradients_as_the_contributors_do(job_factory):
+    """The contributors clip the averaged gradients (`after_exchange`) before their optimizer
+    step; a replica catching up in the same round applies the same gradients, so it must clip
+    them too (`ReplicaManager.clip_catchup`). It did not: Lightning's typical program (clipping
+    at 0.5) diverged on the replica that caught up, again after every heal. Clipping at 1e-4
+    always binds here."""
+    args = SMALL + ("--steps", "200", "--step-sleep", "0.03", "--clip", "1e-4")
+    job = job_factory(args=args, extra={(1, 0): ["--kill-at", "10"]})
+    job.start_all()
+    job.wait_exit(1, timeout_s=120)
+    job.evict(1, "rank 0 exited with -9")
+    job.start(1, inc=1)
+    job.wait_done(180)
+    back = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["role"] == "catchup", 5)
+    assert back["inc"] == 1
+    assert_identical_every_step(job)
+    assert_exactly_once(job)

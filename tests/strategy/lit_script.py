@@ -9,6 +9,7 @@ one JSON line per training batch end: {"event": "batch", "step": global_step, "l
     --manual      : manual optimization
     --steplr      : a StepLR(step_size=3, gamma=0.5) stepped every step
     --unseeded    : no seed: replicas start from different weights (the strategy must sync them)
+    --clip X      : gradient_clip_val
 """
 from __future__ import annotations
 
@@ -152,6 +153,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stop-at", type=int, default=-1, help="set trainer.should_stop at this step ...")
     p.add_argument("--stop-replica", type=int, default=0, help="... in this replica only")
     p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed: every replica inits differently")
+    p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     p.add_argument("--exit-before-training", type=int, default=-99,
                    help="this replica exits with code 1 before its first step (a crash loop)")
     a = p.parse_args(argv)
@@ -169,6 +171,7 @@ def main(argv: list[str]) -> int:
             callbacks.append(LRIntervention(a.lr_mode))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=a.steps,
                         accumulate_grad_batches=1 if a.manual else a.accumulate, callbacks=callbacks,
+                        gradient_clip_val=a.clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=os.environ.get("LFT_RUN_DIR", "."),
                         use_distributed_sampler=not a.ddp)

@@ -57,6 +57,21 @@ def test_kill_and_rejoin_w1_identical_ledger_and_sqrt_lr(tmp_path, etcd_endpoint
     assert run.rows[(1, 0)][-1]["batch"] + 1 == back[0]["batch"]
 
 
+def test_a_rejoining_replica_clips_its_catch_up_step_like_the_contributors(tmp_path, etcd_endpoint):
+    """Lightning's gradient clipping on the averaged gradients (`_after_closure`) applies to a
+    catch-up's optimizer step too (`_clip_catchup`, no user hooks): before, the rejoined replica
+    applied them unclipped and ended with other weights. 1e-4 always binds."""
+    steps = 40
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), "--degraded-sleep", "0.5", "--clip", "1e-4",
+                  overrides=(KILL_1_AT_5,))
+    assert run.proc.returncode == 0, ok(run)
+    assert ("restart", 1) in [(e["event"], e["replica"]) for e in run.events], ok(run)
+    assert run.rows.get((1, 1)), ok(run)  # the restarted incarnation trained after its catch-up
+    assert run.finals[0]["step"] == run.finals[1]["step"] == steps
+    assert run.finals[0]["digest"] == run.finals[1]["digest"], ok(run)
+    assert run.ledger.ok and run.ledger.steps == steps
+
+
 def test_fsdp2_w2_accumulation_kill_and_rejoin(tmp_path, etcd_endpoint):
     steps = 40
     run = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), "--degraded-sleep", "0.8", "--accumulate", "2",
