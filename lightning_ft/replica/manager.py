@@ -50,8 +50,8 @@ from lightning_ft.replica import data as ledger
 from lightning_ft.replica.batch_policy import POLICIES, round_batches
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
-from lightning_ft.replica.state import (combine, fast_digest, materialize_optimizer_state, opt_params,
-                                        param_layout, state_tensors)
+from lightning_ft.replica.state import (combine, fast_digest, hyperparameters, materialize_optimizer_state,
+                                        opt_params, param_layout, state_tensors)
 from lightning_ft.secret import tag as secret_tag
 
 log = logging.getLogger(__name__)
@@ -897,7 +897,8 @@ class ReplicaManager:
             self._digest = None
             return
         t0 = time.perf_counter()
-        self._digest = (self.step, fast_digest(sorted(self.state_tensors().items())))
+        named = {**self.state_tensors(), **hyperparameters(self.optimizer)}  # the learning rate too
+        self._digest = (self.step, fast_digest(sorted(named.items())))
         self.stats.digest_s = time.perf_counter() - t0
 
     def _replica_digest(self) -> Optional[tuple[int, str]]:

@@ -1,9 +1,10 @@
 """A replica rank's training state as named local tensors, and cheap digests of it
 (docs/ARCHITECTURE.md, "Catch-up" and "The divergence guard").
 
-The catch-up path moves exactly these tensors (parameters, buffers, optimizer state); the
-divergence guard digests the same set, so whatever a catch-up makes identical is what the
-guard compares.
+The catch-up path moves exactly these tensors (parameters, buffers, optimizer state), and the
+param groups and scheduler state as meta; the divergence guard digests the same tensors and
+the param groups' numbers (`hyperparameters`), so whatever a catch-up makes identical is what
+the guard compares, the learning rate included.
 """
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def state_tensors(named_params: list[tuple[str, torch.nn.Parameter]], model: tor
         for key, v in sorted(optimizer.state.get(p, {}).items()):
             if torch.is_tensor(v):
                 out[f"optim.{i}.{key}"] = local(v).detach()
+    return out
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The numbers in each param group that the optimizer steps with (lr, betas, weight decay,
+    ...) as named float64 tensors, for the digest: a catch-up carries them (with the scheduler
+    state), so a replica whose learning rate went astray is caught by the divergence guard at
+    the next digest, before its parameters drift."""
+    out: dict[str, torch.Tensor] = {}
+    for i, g in enumerate(optimizer.param_groups):
+        for key in sorted(k for k in g if k != "params"):
+            vals = g[key] if isinstance(g[key], (tuple, list)) else (g[key],)
+            nums = [float(v) for v in vals if isinstance(v, (bool, int, float)) or
+                    (torch.is_tensor(v) and v.numel() == 1)]
+            if nums:
+                out[f"hparam.{i}.{key}"] = torch.tensor(nums, dtype=torch.float64)
     return out
 
 

@@ -32,7 +32,6 @@ class ReplicaCheckpoints:
         plan = mgr.last_plan
         if plan is None or committed == 0 or mgr.step % self.every or self.rid != min(plan.quorum.contributors):
             return
-        schedulers.flush()  # the state after this step, scheduler included
         q = plan.quorum
         cursors = {}
         if rank == 0:

@@ -452,7 +452,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
         # or manual optimization never trains on stale weights).
         t0 = time.perf_counter()
         res = self.mgr.prepare()
-        self._schedulers.flush()
         self._set_lightning_step(self.mgr.step, in_batch=False)
         if res.committed or res.synced:
             self._log_step(None, True, time.perf_counter() - t0)
@@ -496,8 +495,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if plan is not None and plan.quorum.stop and res.committed:
             self.stop_agreed = True  # the job decided to stop at this step: every replica stops now
             self.lightning_module.trainer.should_stop = True
-        if self.committed_in_call:
-            self._schedulers.flush()
         if auto and not res.trained and not computed:  # Lightning still wants the closure's result
             closure()
             optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ one JSON line per training batch end: {"event": "batch", "step": global_step, "l
     --accumulate N: accumulate_grad_batches
     --manual      : manual optimization
     --steplr      : a StepLR(step_size=3, gamma=0.5) stepped every step
+    --decay       : a LambdaLR whose rate changes at every step (1 / (1 + step / 20))
     --unseeded    : no seed: replicas start from different weights (the strategy must sync them)
     --clip X      : gradient_clip_val
 """
@@ -115,6 +116,9 @@ class MLP(L.LightningModule):
         if self.a.steplr:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(
                 opt, step_size=3, gamma=0.5), "interval": "step"}}
+        if self.a.decay:
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: 1.0 / (1.0 + s / 20.0)), "interval": "step"}}
         return opt
 
     def train_dataloader(self):
@@ -144,6 +148,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--manual", action="store_true")
     p.add_argument("--steplr", action="store_true")
+    p.add_argument("--decay", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--degraded-sleep", type=float, default=0.0, help="sleep per step while replicas are missing")
     p.add_argument("--ddp", type=int, default=0)

@@ -44,6 +44,26 @@ def test_corrupted_replica_is_detected_healed_and_ends_identical(tmp_path, etcd_
     assert [r["step"] for r in rows if r["caught_up"] and r["role"] == "train"] == [17], rows
 
 
+def test_a_healed_replica_stays_identical_under_a_schedule_that_changes_every_step(tmp_path, etcd_endpoint):
+    # The 100-fault soak (issue: "halts on main"): a replica healed by a catch-up inside a step
+    # then trained that step's batch with the learning rate of the step it caught up to (the
+    # scheduler's step owed for the catch-up was paid only after both), so it diverged again
+    # at every digest check, and halted the job once only two replicas were left.
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "40", "--step-sleep", "0.02", "--decay", replicas=3,
+                  overrides=("consistency.every_n_steps=5", "failure.events=[{replica: 1, step: 12, kind: corrupt}]"))
+    assert run.proc.returncode == 0, ok(run)
+    div = [(e["replica"], e["step"]) for e in run.events if e["event"] == "diverged"]
+    assert div == [(1, 15)], run.events
+    assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1, run.finals
+    assert run.ledger.ok and run.ledger.steps == 40, run.ledger
+    # every replica stepped with the same learning rate at every step, the healed one included
+    lrs = {}
+    for rid in range(3):
+        for row in run.replica_rows(rid):
+            lrs.setdefault(row["step"], set()).add(row["applied_lr"])
+    assert all(len(v) == 1 for v in lrs.values()), {s: v for s, v in lrs.items() if len(v) > 1}
+
+
 def test_two_replicas_that_disagree_stop_the_job_and_keep_the_verified_checkpoint(tmp_path, etcd_endpoint):
     run = lft_run(tmp_path, etcd_endpoint, "--steps", "40", "--step-sleep", "0.02", replicas=2,
                   overrides=("consistency.every_n_steps=5", "checkpoint.every_n_steps=5",
