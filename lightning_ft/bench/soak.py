@@ -1,7 +1,7 @@
 """`make soak`: many mixed, overlapping faults against 3 replicas of examples/train_lm.py.
 
     python -m lightning_ft.bench.soak [--faults 100] [--replicas 3] [--overlap 0.15] [--seed 0]
-                                      [--kinds kill,hang,exception,link,job,etcd]
+                                      [--kinds kill,hang,exception,link,job,etcd] [--set KEY=VALUE ...]
 
 Faults land at random moments chosen from outside (never at step boundaries by design),
 about `--every-s` apart, each once the job has committed a step since the previous one (so a
@@ -16,7 +16,9 @@ data a few seconds later). With probability
 `--overlap` a fault hits two replicas at once. etcd is a 3-member cluster outside the job
 with data directories, so the ledger survives whole-job kills, and checks span every restart.
 
-At the end it verifies the final model's history from the ledger (lost and duplicated
+The soak ends when the job does: a launcher that exited, or a job that halted (no majority of
+replica states agreed), stops the faults at once; the line then says `"halted": true` with
+the reason, and the soak fails. At the end it verifies the final model's history from the ledger (lost and duplicated
 batches), the replicas' final digests, stalls (no committed step for `--hang-s`), and
 prints one line:
 
@@ -85,7 +87,8 @@ class Job:
                 "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
                 "failure.signal_exception=true", "quorum.init_timeout_s=20", "supervisor.start_timeout_s=120",
                 "supervisor.exit_timeout_s=20",
-                f"checkpoint.every_n_steps={a.ckpt_every}", "checkpoint.keep=3", "secret=soak-secret-0123456789"]
+                f"checkpoint.every_n_steps={a.ckpt_every}", "checkpoint.keep=3", "secret=soak-secret-0123456789",
+                *a.set]
         out = open(os.path.join(self.run_dir, f"launcher.{self.launches}.log"), "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if self.net is not None:  # replica rid runs in namespace hosts[rid]
@@ -233,6 +236,24 @@ def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
     return sum(1 for x, y in zip(ts, ts[1:]) if y - x >= hang_s)
 
 
+def halt_reason(run_dir: str) -> str:
+    """Why the job halted (the coordinator's `halt` or the launcher's `job_halted` event), or ""."""
+    path = os.path.join(run_dir, "events.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") in ("halt", "job_halted"):
+                return str(ev.get("reason") or "halted")
+    return ""
+
+
+HALT_EXIT_GRACE_S = 60.0
+"""A launcher still running this long after the job halted is hung on the halt: the soak kills it."""
+
+
 HEALS = ("disowned", "stale", "diverged")
 
 
@@ -272,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--keep", default="", help="keep the run directory here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the job, after the soak's own (repeatable)")
     a = p.parse_args(argv)
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the finally below kills the job by PID
     # and deletes the namespaces and the etcd cluster instead of leaving them behind.
@@ -305,13 +328,18 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         last_fault_t = 0.0
         planned_i = 0
-        while injected < a.faults and job.proc.poll() is None:
+
+        def ended() -> bool:
+            """The job is over: its launcher exited, or the job halted (no fault is injected into it)."""
+            return job.proc.poll() is not None or bool(halt_reason(run_dir))
+
+        while injected < a.faults and not ended():
             # The next fault waits for the job to commit a step after the last one: faults faster
             # than a restart (Lightning starts in 10-30 s here) would only starve the job, and a
             # stall would then say nothing about hangs. Faults still overlap (two at once, or a
             # fault while the last victim restarts); a job that never trains again times out.
             waited = time.monotonic()
-            while job.last_commit_t() <= last_fault_t and job.proc.poll() is None:
+            while job.last_commit_t() <= last_fault_t and not ended():
                 if time.monotonic() - waited > a.hang_s * 3:
                     log(f"no committed step {a.hang_s * 3:.0f} s after the last fault; injecting anyway")
                     break
@@ -319,11 +347,13 @@ def main(argv: list[str] | None = None) -> int:
                 job.heal_etcd(after_s=3.0)
                 job.heal_links()
             wait = rng.expovariate(1.0 / a.every_s)
-            while wait > 0:
+            while wait > 0 and not ended():
                 time.sleep(min(wait, 0.5))
                 wait -= 0.5
                 job.heal_etcd(after_s=3.0)
                 job.heal_links()
+            if ended():
+                break
             if job.committed() >= a.steps - max(50, a.steps // 6):  # a fault-free end: replicas rejoin
                 log("training is about to end before the faults are done; stopping early")
                 break
@@ -346,14 +376,23 @@ def main(argv: list[str] | None = None) -> int:
             if n:
                 log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
         log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish")
+        halted_at = None
         while job.proc.poll() is None and time.monotonic() - t0 < a.timeout:
             job.heal_etcd(after_s=3.0)
             job.heal_links()
+            if halted_at is None and halt_reason(run_dir):
+                halted_at = time.monotonic()
+                log(f"the job halted: {halt_reason(run_dir)}; waiting for the launcher to exit")
+            if halted_at is not None and time.monotonic() - halted_at > HALT_EXIT_GRACE_S:
+                log(f"the launcher still runs {HALT_EXIT_GRACE_S:.0f} s after the halt; killing the job")
+                break
             time.sleep(0.5)
-        timed_out = job.proc.poll() is None
-        if timed_out:  # say where each replica stood, then end it: the figures below still come out
-            log(f"the job did not finish within --timeout {a.timeout:.0f} s; last rows: {job.replica_states()}; "
-                f"killing it")
+        halted = halt_reason(run_dir)
+        timed_out = job.proc.poll() is None and not halted
+        if job.proc.poll() is None:  # say where each replica stood, then end it: the figures below still come out
+            if timed_out:
+                log(f"the job did not finish within --timeout {a.timeout:.0f} s; last rows: {job.replica_states()}; "
+                    f"killing it")
             job.kill_all()
         job.proc.wait(30)
         wall = time.monotonic() - t0
@@ -387,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                           "superseded": rep.superseded, "heals": heals(run_dir), "by_kind": by_kind,
                           "launches": job.launches,
                           "launcher_rc": job.proc.returncode, "timed_out": timed_out,
+                          "halted": bool(halted), **({"halt_reason": halted} if halted else {}),
                           "wall_s": round(wall, 1)}), flush=True)
-        ok = (not timed_out and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+        ok = (not timed_out and not halted and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
               and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
         if not ok and not a.keep:  # what went wrong is in there: keep it for whoever looks next

@@ -566,6 +566,9 @@ class Supervisor:
                 self._stragglers.append(p)
         rep.failed_at = time.monotonic()
         self._event(rep, "evict", reason=reason, killed_ranks=killed)
+        if self.halted:  # a halted job restarts nobody: an eviction racing the halt ends the replica
+            rep.state = "failed"
+            return
         if self._crash_loop(rep, code, rank):
             rep.state = "failed"
             self._check_min_replicas()
@@ -650,6 +653,9 @@ class Supervisor:
     def _restart_due(self) -> None:
         now = time.monotonic()
         if self.halted:
+            for rep in self._replicas.values():
+                if rep.state == "restarting":  # nothing restarts after a halt: run() can end
+                    rep.state = "failed"
             if now - self._halted_at > HALT_GRACE_S:  # replicas that never learned of it
                 for rep in self._replicas.values():
                     if rep.state == "running":

@@ -63,3 +63,32 @@ def test_the_soak_counts_each_guard_that_fired_from_the_events(tmp_path):
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "trunc')
     assert heals(str(tmp_path)) == {"disowned": 1, "stale": 2, "diverged": 0}
     assert heals(str(tmp_path / "none")) == {"disowned": 0, "stale": 0, "diverged": 0}
+
+
+@pytest.mark.timeout(300)
+def test_a_job_that_halts_ends_the_soak_with_its_reason():
+    """Two replicas whose states disagree (one corrupted, no majority) halt the job: the launcher
+    exits 86, and the soak stops injecting, prints its line with the halt and fails, instead of
+    throwing faults at a dead job until its deadline."""
+    cmd = [sys.executable, "-m", "lightning_ft.bench.soak", "--faults", "50", "--kinds", "kill", "--replicas", "2",
+           "--every-s", "2", "--steps", "100000", "--timeout", "250", "--seed", "0",
+           "--set", "failure.events=[{replica: 1, step: 30, kind: corrupt}]"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=290)
+    lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{"bench": "soak"')]
+    assert lines, p.stdout[-2000:] + p.stderr[-3000:]
+    r = lines[-1]
+    assert r["halted"] is True and "no majority agrees" in r["halt_reason"], (r, p.stderr[-3000:])
+    assert r["launcher_rc"] == 86 and not r["timed_out"] and r["wall_s"] < 200, (r, p.stderr[-3000:])
+    assert p.returncode == 1
+    kept = re.search(r"its run directory is kept at (\S+) ", p.stderr)
+    assert kept, p.stderr[-3000:]
+    shutil.rmtree(os.path.dirname(kept.group(1)), ignore_errors=True)
+
+
+def test_the_soak_reads_a_halt_from_the_events(tmp_path):
+    from lightning_ft.bench.soak import halt_reason
+
+    assert halt_reason(str(tmp_path)) == ""
+    rows = [{"event": "restart", "replica": 0}, {"event": "halt", "reason": "replica states diverged at step 40"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "trunc')
+    assert halt_reason(str(tmp_path)) == "replica states diverged at step 40"

@@ -9,6 +9,7 @@ or `*`. ACTIONs:
     exit:CODE:MS            sleep MS ms, write the time to OUT_DIR/...exit, exit with CODE
     sleep                   sleep until killed
     ignore_term             ignore SIGTERM, start a grandchild `sleep` (pid in OUT_DIR/...grandchild), sleep
+    halt:MS                 sleep MS ms, write the run's `halt` key (the job halted), exit 86
     member:HOLD_MS:THEN:RATE
                             put the run's members/{rid} bound to a 1 s lease, reporting step
                             RATE * seconds so far; keep it alive for HOLD_MS ms (-1: forever), then
@@ -38,6 +39,8 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         grandchild = subprocess.Popen(["sleep", "1000"])
         _write(tag + ".grandchild", str(grandchild.pid))
+    if action[0] == "halt":
+        _halt(int(action[1]))
     if action[0] == "member":
         _member(rid, inc, int(action[1]), action[2], float(action[3]))
     while True:
@@ -70,6 +73,17 @@ def _member(rid: int, inc: int, hold_ms: int, then: str, rate: float) -> None:
         store.lease_revoke(lease)
         time.sleep(0.3)
         os._exit(0)
+
+
+def _halt(ms: int) -> None:
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.store import EtcdStore
+
+    time.sleep(ms / 1000)
+    store = EtcdStore(os.environ["LFT_ETCD"], connect_timeout_s=5)
+    root = keys.root("/lft", os.environ["LFT_JOB"], os.environ.get("LFT_RUN_ID", ""))
+    store.put(keys.halt(root), json.dumps({"reason": "replica states diverged (test)"}).encode())
+    os._exit(86)
 
 
 def _write(path: str, text: str) -> None:

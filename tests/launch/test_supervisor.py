@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 
 from lightning_ft.coord.store import EtcdStore
-from lightning_ft.launch.supervisor import EXIT_GAVE_UP, EXIT_TIMEOUT, TERM_GRACE_S, Supervisor
+from lightning_ft.launch.supervisor import EXIT_GAVE_UP, EXIT_HALTED, EXIT_TIMEOUT, TERM_GRACE_S, Supervisor
 
 CHILD = str(Path(__file__).with_name("child.py"))
 
@@ -198,6 +198,20 @@ def test_hang_by_lease_expiry_kills_evicts_and_restarts(make, store):
     wait_for(lambda: store.get(f"{sup.root}members/0"), 10, "incarnation 1 to register", poll=sup.poll)
     assert sup.run(timeout_s=2.0) == EXIT_TIMEOUT
     assert status(sup, 0)["incarnation"] == 1 and status(sup, 0)["state"] == "running"
+
+
+def test_a_halted_job_ends_even_when_an_eviction_races_the_halt(make, store):
+    # The 100-fault soak: replica 0 halted the job while replica 1 was being declared hung; the
+    # eviction left replica 1 "restarting", a halted job restarts nobody, and the launcher
+    # waited forever with no process left.
+    sup = make("0:0:0=halt:300", "1:0:0=member:400:hang:0", replicas=2, nproc_per_replica=1, hang_grace_s=0.2)
+    t0 = time.monotonic()
+    assert sup.run(timeout_s=30) == EXIT_HALTED
+    assert time.monotonic() - t0 < 15
+    ev = events(make.run_dir)
+    names = [e["event"] for e in ev]
+    assert "job_halted" in names and "restart" not in names, names
+    assert all(s["state"] == "failed" and not s["pids"] for s in sup.status()), sup.status()
 
 
 def test_leader_that_revokes_its_lease_and_exits_is_not_hung(make):
