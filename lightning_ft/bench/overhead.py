@@ -1,6 +1,8 @@
-"""Steady-state step time of ft_hsdp against Lightning's own DDP (target: ratio <= 1.03).
+"""Steady-state step time and CPU of ft_hsdp against Lightning's own DDP (targets: ratio and
+cpu_ratio <= 1.03).
 
-    python -m lightning_ft.bench.overhead [--procs 2] [--steps 60] [--rounds 4] [--width 1024] [--single]
+    python -m lightning_ft.bench.overhead [--procs 2] [--steps 240] [--short-steps 40] [--rounds 6]
+                                          [--width 1024] [--single]
 
 Same LightningModule, same data, same number of processes, one torch thread each
 (OMP_NUM_THREADS=1 for both, since Lightning's launcher would otherwise change the thread
@@ -9,9 +11,18 @@ quorum, FTAR, two-phase commit), DDP runs P processes through Lightning's launch
 Rounds alternate which one runs first, so a noisy machine hits both; the figure is the
 median of the per-round paired ratios (one noisy round cannot decide). Step time = median
 gap between consecutive `on_train_batch_end` of rank 0 after `--warmup` steps.
-`--single` also compares 1 replica of ft_hsdp with single-process Lightning. Prints:
+`--single` also compares 1 replica of ft_hsdp with single-process Lightning.
 
-    {"bench": "overhead", "ft_step_s": ..., "ddp_step_s": ..., "ratio": ..., "ratios": [...], ...}
+The CPU account (bench/cpu_account.py): every thread of every process of each job (the
+launcher, etcd and the workers for ft_hsdp; Lightning's launcher process and its ranks for
+DDP) is sampled from /proc while it runs. Each round runs each job twice, `--short-steps`
+and `--steps` steps, and differences them, so start-up and teardown cancel: what is left is
+the CPU of the extra steady-state steps, per step, by process role and by thread. CPU time
+barely moves with the machine's load, so `cpu_ratio` (the whole job's CPU per step, ft_hsdp
+/ DDP) is the figure noise cannot hide. Prints, per round and then the medians:
+
+    {"bench": "overhead", "ft_step_s": ..., "ddp_step_s": ..., "ratio": ..., "ratios": [...],
+     "cpu_ratio": ..., "cpu_ratios": [...], "cpu_ms": {"ft": {account}, "ddp": {account}}, ...}
     {"bench": "overhead_single", "ft_step_s": ..., "lightning_step_s": ..., "ratio": ..., ...}
 """
 from __future__ import annotations
@@ -92,64 +103,123 @@ def _env() -> dict:
     return env
 
 
-def run_ft(a: argparse.Namespace, args: list[str], procs: int) -> float:
+def _run(cmd: list[str], timeout: float, what: str) -> tuple[str, dict]:
+    """Run a job, accounting the CPU of every thread of its process tree; (stdout, totals)."""
+    from lightning_ft.bench.cpu_account import Account
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+        acc = Account(proc.pid).start()
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+        totals = acc.stop()
+        out.seek(0)
+        text = out.read()
+    if rc != 0:
+        raise RuntimeError(f"{what} run failed ({rc}):\n{text[-4000:]}")
+    return text, totals
+
+
+def run_ft(a: argparse.Namespace, args: list[str], procs: int) -> tuple[float, dict]:
     with tempfile.TemporaryDirectory(prefix="lft-overhead-") as d:
         cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(procs),
-               "--nproc-per-replica", "1", "--run-dir", d, "--no-status", "--timeout", str(a.timeout), HERE, *args]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 60, env=_env())
-        if p.returncode != 0:
-            raise RuntimeError(f"ft_hsdp run failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
-        return _step_s(open(os.path.join(d, "logs", "r0.i0.rank0.log")).read())
+               "--nproc-per-replica", "1", "--run-dir", d, "--no-status", "--timeout", str(a.timeout), HERE, *args,
+               *a.set]
+        _, totals = _run(cmd, a.timeout + 60, "ft_hsdp")
+        return _step_s(open(os.path.join(d, "logs", "r0.i0.rank0.log")).read()), totals
 
 
-def run_ddp(a: argparse.Namespace, args: list[str]) -> float:
-    p = subprocess.run([sys.executable, HERE, *args, "--ddp"], capture_output=True, text=True,
-                       timeout=a.timeout + 60, env=_env())
-    if p.returncode != 0:
-        raise RuntimeError(f"DDP run failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
-    return _step_s(p.stdout)
+def run_ddp(a: argparse.Namespace, args: list[str]) -> tuple[float, dict]:
+    out, totals = _run([sys.executable, HERE, *args, "--ddp"], a.timeout + 60, "DDP")
+    return _step_s(out), totals
+
+
+def _spread(xs: list[float]) -> list[float]:
+    return [round(min(xs), 4), round(max(xs), 4)]
+
+
+def _median_account(accounts: list[dict]) -> dict:
+    """The per-key median of several per-step accounts."""
+    def med(dicts: list[dict]) -> dict:
+        keys = sorted(set().union(*dicts))
+        return {k: round(statistics.median(d.get(k, 0.0) for d in dicts), 2) for k in keys}
+
+    return {"total": round(statistics.median(x["total"] for x in accounts), 2),
+            "by_role": med([x["by_role"] for x in accounts]), "by_thread": med([x["by_thread"] for x in accounts])}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lightning_ft.bench.cpu_account import per_step
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--procs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=240, help="steps of the long run (its step times are the wall figure)")
+    p.add_argument("--short-steps", type=int, default=40, help="steps of the short run the CPU account subtracts")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--single", action="store_true", help="also 1 replica vs single-process Lightning")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=256, help="per process")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-overlap", action="store_true", help="ft_hsdp without quorum/backward overlap")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an ft_hsdp config override (repeatable), e.g. --set consistency.every_n_steps=0")
+    p.add_argument("--only-ft", action="store_true", help="run ft_hsdp alone (its CPU account; no ratio)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ddp", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         return worker(a)
+    if a.short_steps >= a.steps or a.short_steps <= a.warmup + 1:
+        p.error(f"--short-steps must lie between --warmup + 1 ({a.warmup + 1}) and --steps ({a.steps})")
 
-    def args_for(procs: int) -> list[str]:
-        return ["--worker", "--procs", str(procs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--width",
+    def args_for(procs: int, steps: int) -> list[str]:
+        return ["--worker", "--procs", str(procs), "--steps", str(steps), "--warmup", str(a.warmup), "--width",
                 str(a.width), "--depth", str(a.depth), "--batch", str(a.batch)] + (
                     ["--no-overlap"] if a.no_overlap else [])
 
+    extra = a.steps - a.short_steps
     params = a.depth * (a.width * a.width + a.width) + a.width + 1
     for procs, peer, bench in [(a.procs, "ddp", "overhead")] + ([(1, "lightning", "overhead_single")] if a.single else []):
-        ft, ref, ratios = [], [], []
+        step_s: dict[str, list[float]] = {"ft": [], peer: []}
+        accounts: dict[str, list[dict]] = {"ft": [], peer: []}
+        ratios, cpu_ratios = [], []
         for r in range(a.rounds):
             got = {}
-            for name in (("ft", peer) if r % 2 == 0 else (peer, "ft")):
-                got[name] = run_ft(a, args_for(procs), procs) if name == "ft" else run_ddp(a, args_for(procs))
-                print(json.dumps({"bench": f"{bench}_round", "round": r, "strategy": name,
-                                  "step_s": round(got[name], 5)}), flush=True)
-            ft.append(got["ft"])
-            ref.append(got[peer])
-            ratios.append(got["ft"] / got[peer])
-        ft_s, ref_s = statistics.median(ft), statistics.median(ref)
+            for name in ("ft",) if a.only_ft else (("ft", peer) if r % 2 == 0 else (peer, "ft")):
+                run = (lambda steps: run_ft(a, args_for(procs, steps), procs)) if name == "ft" else \
+                    (lambda steps: run_ddp(a, args_for(procs, steps)))
+                _, short = run(a.short_steps)
+                wall, long = run(a.steps)
+                acc = per_step(short, long, extra)
+                got[name] = (wall, acc)
+                step_s[name].append(wall)
+                accounts[name].append(acc)
+                print(json.dumps({"bench": f"{bench}_round", "round": r, "strategy": name, "step_s": round(wall, 5),
+                                  "cpu_ms": acc}), flush=True)
+            if a.only_ft:
+                continue
+            ratios.append(got["ft"][0] / got[peer][0])
+            cpu_ratios.append(got["ft"][1]["total"] / got[peer][1]["total"])
+        if a.only_ft:
+            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "steps": a.steps, "short_steps": a.short_steps,
+                              "set": a.set, "ft_step_s": round(statistics.median(step_s["ft"]), 5),
+                              "cpu_ms": _median_account(accounts["ft"]), "loadavg": os.getloadavg()[0]}), flush=True)
+            continue
+        ft_s, ref_s = statistics.median(step_s["ft"]), statistics.median(step_s[peer])
         print(json.dumps({"bench": bench, "procs": procs, "params": params, "batch_per_proc": a.batch,
-                          "steps": a.steps, "rounds": a.rounds, "ft_step_s": round(ft_s, 5),
-                          f"{peer}_step_s": round(ref_s, 5), "ratio": round(statistics.median(ratios), 4),
-                          "ratios": [round(x, 4) for x in ratios], "overhead_ms": round((ft_s - ref_s) * 1e3, 2),
+                          "steps": a.steps, "short_steps": a.short_steps, "rounds": a.rounds,
+                          "ft_step_s": round(ft_s, 5), f"{peer}_step_s": round(ref_s, 5),
+                          "ratio": round(statistics.median(ratios), 4), "ratios": [round(x, 4) for x in ratios],
+                          "ratio_spread": _spread(ratios), "overhead_ms": round((ft_s - ref_s) * 1e3, 2),
+                          "cpu_ratio": round(statistics.median(cpu_ratios), 4),
+                          "cpu_ratios": [round(x, 4) for x in cpu_ratios], "cpu_ratio_spread": _spread(cpu_ratios),
+                          "cpu_ms": {"ft": _median_account(accounts["ft"]), peer: _median_account(accounts[peer])},
                           "loadavg": os.getloadavg()[0]}), flush=True)
     return 0
 

@@ -309,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     keep_dir = ""
     run_dir = a.keep or os.path.join(tmp, "run")
     os.makedirs(run_dir, exist_ok=True)
-    if not a.steps:  # up to 10 steps a second here (steady rounds), and faults wait for restarts: generous,
-        a.steps = int(a.faults * (a.every_s + 15) * 5 + 1000)  # the job stops at the end anyway
+    if not a.steps:  # 10-20 steps a second here, a fault every ~10 s (each waits for a commit after the last):
+        # generous, so that every planned fault lands before the fault-free tail (a 100-fault run at 5x
+        # stopped at 92); the job trains the rest fault-free and stops at the end anyway
+        a.steps = int(a.faults * (a.every_s + 15) * 8 + 1000)
     net = None
     if "link" in kinds:
         net = netns.Net()
@@ -418,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
             ett = report(run_dir).get("ett")
         except Exception as e:  # the soak's figures do not depend on the report
             log(f"report failed: {e}")
-        print(json.dumps({"bench": "soak", "faults": injected, "overlapping": overlapping,
+        print(json.dumps({"bench": "soak", "seed": a.seed, "faults": injected, "planned_faults": a.faults,
+                          "overlapping": overlapping,
                           "lost_batches": len(rep.gaps), "duplicate_batches": len(rep.duplicates),
                           "conflicts": len(rep.conflicts), "rewinds": len(rep.rewinds), "identical": identical,
                           "at_end": len(finals),
@@ -428,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                           "launcher_rc": job.proc.returncode, "timed_out": timed_out,
                           "halted": bool(halted), **({"halt_reason": halted} if halted else {}),
                           "wall_s": round(wall, 1)}), flush=True)
-        ok = (not timed_out and not halted and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+        if injected < a.faults:
+            log(f"only {injected} of {a.faults} faults landed before the fault-free tail (raise --steps)")
+        ok = (not timed_out and not halted and injected >= a.faults and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
               and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
         if not ok and not a.keep:  # what went wrong is in there: keep it for whoever looks next

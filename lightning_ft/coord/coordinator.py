@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import keys
 from .quorum import Decision, History, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff
 from .store import Event, LeaseExpired, Store, StoreError
+from lightning_ft.threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Coordinator:
         self._cancel_watches.append(self.store.watch_prefix(keys.evict(self._root), self._on_event))
         self._cancel_watches.append(self.store.watch_prefix(keys.members(self._root), self._on_event))
         self._cancel_watches.append(self.store.watch_prefix(keys.quorum(self._root), self._on_event))
-        self._keepalive = threading.Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
+        self._keepalive = Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
         self._keepalive.start()
 
     def _check_config(self) -> None:

@@ -36,6 +36,7 @@ from pyetcd.etcdrpc import kv_pb2
 from .etcd_failover import (Action, attempt_timeout, backoff, classify, format_endpoints, hint, parse_endpoints,
                             use_tls)
 from .store import KV, Event, LeaseExpired, Store, StoreError, WatchCallback
+from lightning_ft.threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +370,7 @@ class _Watch:
         self._error: Optional[StoreError] = None
         self._lock = threading.Lock()
         self._call: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"etcd-watch {prefix}", daemon=True)
+        self._thread = Thread(target=self._run, name=f"lft-watch {prefix}", daemon=True)
 
     def start(self) -> None:
         """Start the stream; returns once etcd confirmed it. Raises StoreError when it cannot be

@@ -28,6 +28,7 @@ from typing import Optional
 
 from . import keys
 from .store import LeaseExpired, Store, StoreError
+from lightning_ft.threads import Thread
 
 
 class RunConflict(RuntimeError):
@@ -171,7 +172,7 @@ class RunHold:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if keepalive:
-            self._thread = threading.Thread(target=self._loop, name="lft-run-hold", daemon=True)
+            self._thread = Thread(target=self._loop, name="lft-run-hold", daemon=True)
             self._thread.start()
 
     def hold(self, root: str) -> None:

@@ -41,6 +41,7 @@ from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FT
 from .transport.base import RxLink, TxLink
 from .transport.endpoint import Endpoint
 from .transport.staging import DeviceStaging
+from lightning_ft.threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class FTAR:
         self._idle = threading.Event()
         self._idle.set()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"ftar-r{replica}-rank{rank}", daemon=True)
+        self._thread = Thread(target=self._run, name=f"ftar-r{replica}-rank{rank}", daemon=True)
         self._thread.start()
 
     @property

@@ -21,6 +21,7 @@ from lightning_ft.coord.etcd_server import EtcdCluster
 from lightning_ft.coord.etcd_config import PASSWORD_ENV, REDACTED, config_endpoints, store_from_config
 from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.coord.store import StoreError
+from lightning_ft.threads import Thread
 
 EXIT_ETCD_LOST = 75
 """`lightning-ft run` exits with this (EX_TEMPFAIL) when etcd stayed unreachable too long."""
@@ -59,7 +60,7 @@ class EtcdKeeper:
         except BaseException:
             self.close()
             raise
-        self._thread = threading.Thread(target=self._probe_loop, name="lft-etcd-probe", daemon=True)
+        self._thread = Thread(target=self._probe_loop, name="lft-etcd-probe", daemon=True)
         self._thread.start()
         return self.endpoint
 

@@ -63,6 +63,7 @@ from typing import Callable, Optional
 
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
+from lightning_ft.threads import Thread
 
 SEND_CHUNK = 1 << 20
 """Bytes per send under one reader mark: bounds how long freeze() waits for sends in flight."""
@@ -228,7 +229,7 @@ class StateServer:
         self._httpd.daemon_threads = True
         host, port = self._httpd.server_address[:2]
         self.address = f"{host}:{port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True,
+        self._thread = Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True,
                                         name=f"catchup-{self.address}")
         self._thread.start()
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from lightning_ft.threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ class CheckpointWriter:
                 self.error = e
                 log.error("checkpoint of step %d failed: %s", step, e)
 
-        self._thread = threading.Thread(target=write, name=f"lft-ckpt-{step}", daemon=True)
+        self._thread = Thread(target=write, name=f"lft-ckpt-{step}", daemon=True)
         self._thread.start()
         return stats
 

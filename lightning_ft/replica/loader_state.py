@@ -37,6 +37,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from lightning_ft.replica.checkpoint import _atomic_torch_save
+from lightning_ft.threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class StateWriter:
         self._closed = False
         self.written = 0
         self.errors = 0
-        self._thread = threading.Thread(target=self._run, name=f"lft-loader-state-s{files.slot}r{files.rank}",
+        self._thread = Thread(target=self._run, name=f"lft-loader-state-s{files.slot}r{files.rank}",
                                         daemon=True)
         self._thread.start()
 

@@ -53,6 +53,7 @@ from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
 from lightning_ft.replica.state import (combine, fast_digest, hyperparameters, materialize_optimizer_state,
                                         opt_params, param_layout, state_tensors)
 from lightning_ft.secret import tag as secret_tag
+from lightning_ft.threads import name_current
 
 log = logging.getLogger(__name__)
 
@@ -477,7 +478,8 @@ class ReplicaManager:
         self.coord.adopt_steady(nxt)
         if self.rid == nxt.members[0]:  # one leader records it, off the critical path
             if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}")
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
+                                              initargs=(f"lft-bg-r{self.rid}",))
             self._bg.submit(self.coord.record_steady, nxt)
         return (nxt, self.cursor)
 
@@ -512,7 +514,8 @@ class ReplicaManager:
             self.buckets.plan_known(plan)
             return fut
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"lft-quorum-r{self.rid}")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"lft-quorum-r{self.rid}", initializer=name_current,
+                                            initargs=(f"lft-quorum-r{self.rid}",))
         return self._pool.submit(self._start_and_release)
 
     def _start_and_release(self) -> StepPlan:

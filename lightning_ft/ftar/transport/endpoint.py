@@ -32,6 +32,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from lightning_ft.threads import Thread
+
 from .base import (ChunkHeader, FatalError, Identity, LinkContext, LinkKind, RecoverableError, RxLink, SetupError, TxLink,
                    allowed_kinds, choose_link, close_socket, host_id, mac)
 
@@ -141,7 +143,7 @@ class Endpoint:
         self._sock.listen(64)
         self.address = f"{bind_host}:{self._sock.getsockname()[1]}"
         self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        threading.Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
+        Thread(target=self._accept_loop, name=f"ftar-accept-r{ident.replica}", daemon=True).start()
 
     # -- acceptor side ------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -154,7 +156,7 @@ class Endpoint:
                 self._note(f"{peer[0]}: more than {MAX_HANDSHAKES} handshakes at once; connection closed")
                 close_socket(conn)
                 continue
-            threading.Thread(target=self._handshake_slot, args=(conn,), daemon=True).start()
+            Thread(target=self._handshake_slot, args=(conn,), name="ftar-handshake", daemon=True).start()
 
     def _handshake_slot(self, conn: socket.socket) -> None:
         try:

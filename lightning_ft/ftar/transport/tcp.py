@@ -20,6 +20,7 @@ import torch
 from .base import (HEADER_SIZE, KIND_DATA, KIND_FATAL, ChunkHeader, FatalError, LinkContext, LinkKind,
                    RecoverableError, RxLink, TxLink, byte_view, close_socket, shutdown)
 from .endpoint import FATAL_MAX_BYTES, set_kernel_timeout
+from lightning_ft.threads import Thread
 
 
 class TcpKind(LinkKind):
@@ -78,7 +79,7 @@ class TcpTx(TxLink):
         self._posted = 0
         self._done = 0
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="ftar-send", daemon=True)
+        self._thread = Thread(target=self._loop, name="ftar-send", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
