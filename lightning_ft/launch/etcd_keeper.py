@@ -25,7 +25,7 @@ from lightning_ft.threads import Thread
 
 EXIT_ETCD_LOST = 75
 """`lightning-ft run` exits with this (EX_TEMPFAIL) when etcd stayed unreachable too long."""
-PROBE_INTERVAL_S = 0.5
+PROBE_INTERVAL_S = 2.0
 
 
 class EtcdKeeper:

@@ -54,6 +54,8 @@ RESUME_LIVE_WAIT_S = 10.0
 """How long `--resume` waits for a dead job's leases to lapse (a launcher's hold: 5 s)."""
 EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
 """A replica exits with this, and run() returns it, when the job halted (lightning_ft.coord.keys.halt)."""
+IDLE_WAKE_S = 1.0
+"""run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
 HALT_GRACE_S = 10.0
 """After a halt, replicas still running this long (they learn it at their next round) are stopped."""
 
@@ -195,6 +197,17 @@ class Supervisor:
         self._started = False
         self._shut_down = False
         self._signalled: Optional[int] = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        """run() sleeps until a child exits (pidfds), a member report changes (the watch), a signal
+        arrives, or its next deadline: nothing wakes it per training step."""
+        self._pidfds: dict[int, int] = {}
+        """pid -> pidfd of our children (readable once the process exited)."""
+        self._members: Optional[dict[int, dict[str, Any]]] = None
+        """members/ of the run as the watch last left it (None: no watch; read etcd instead)."""
+        self._members_lock = threading.Lock()
+        self._cancel_members: Optional[Callable[[], None]] = None
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         self._events = open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8")
 
@@ -205,6 +218,7 @@ class Supervisor:
             if self._started or self._shut_down:
                 raise RuntimeError("this Supervisor was already started; create a new one to start the job again")
             self._open_run()
+            self._watch_members()
             atexit.register(self.shutdown)
             self._started = True
             for rep in self._replicas.values():
@@ -305,9 +319,103 @@ class Supervisor:
                     return 0
                 if deadline is not None and time.monotonic() >= deadline:
                     return EXIT_TIMEOUT
-                time.sleep(poll_s)
+                self._sleep(self._next_wake_s(deadline, poll_s))
         finally:
             restore()
+
+    def _next_wake_s(self, deadline: Optional[float], poll_s: float) -> float:
+        """Seconds until something may be due without an event announcing it: a restart, a hang
+        grace, a start or exit timeout, the halt grace, the run's deadline; at most IDLE_WAKE_S
+        (run()'s `until`, etcd's health), at least poll_s. Without pidfds (no way to sleep on a
+        child's exit) or the member watch, poll_s."""
+        with self._lock:
+            if self._members is None or any(p.pid not in self._pidfds for rep in self._replicas.values()
+                                            if rep.state == "running" for p in rep.procs if p.returncode is None):
+                return poll_s
+            due = [IDLE_WAKE_S + time.monotonic()]
+            if deadline is not None:
+                due.append(deadline)
+            if self.halted:
+                due.append(self._halted_at + HALT_GRACE_S)
+            for rep in self._replicas.values():
+                if rep.state == "restarting" and rep.restart_step is None:
+                    due.append(rep.restart_at)
+                elif rep.state == "restarting":
+                    due.append(time.monotonic() + 1.0)  # downtime: the job's step is read from etcd
+                elif rep.state == "running":
+                    if not rep.member_seen and self.start_timeout_s > 0:
+                        due.append(rep.started_at + self.start_timeout_s)
+                    if rep.missing_since is not None:
+                        due.append(rep.missing_since + self.hang_grace_s)
+                    if rep.leaving_since is not None and self.exit_timeout_s > 0:
+                        due.append(rep.leaving_since + self.exit_timeout_s)
+        return max(poll_s, min(due) - time.monotonic())
+
+    def _sleep(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, waking at once when a child exits, the member watch saw a
+        change, or a signal arrived (`_notify`)."""
+        import select
+
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        with self._lock:
+            for rep in self._replicas.values():
+                for p in rep.procs:
+                    fd = self._pidfds.get(p.pid)
+                    if fd is not None and _peek(p) is None:
+                        poller.register(fd, select.POLLIN)
+        try:
+            poller.poll(max(0.0, timeout_s) * 1e3)
+        except InterruptedError:
+            pass
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _notify(self) -> None:
+        """Wake run() now (any thread, or a signal handler)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- the members/ watch -------------------------------------------------------------------------
+    def _watch_members(self) -> None:
+        """Keep members/ of the run in memory from a watch, so that hang checks read no etcd: a
+        change (a report, a lease that expired) wakes run() at once. Without the watch (etcd
+        refused it) the checks read etcd, as often as run() polls."""
+        try:
+            kvs, rev = self._store.get_prefix(keys.members(self._root))
+            with self._members_lock:
+                self._members = {}
+                for kv in kvs:
+                    self._member_put(kv.key, kv.value)
+            self._cancel_members = self._store.watch_prefix(keys.members(self._root), self._on_member_event,
+                                                            start_revision=rev + 1)
+        except StoreError as e:
+            log.warning("cannot watch the member reports (%s); reading them at every poll instead", e)
+            self._members = None
+
+    def _member_put(self, key: str, value: bytes) -> None:
+        try:
+            self._members[int(key.rsplit("/", 1)[1])] = json.loads(value)
+        except ValueError:
+            log.warning("ignoring malformed member report %s", key)
+
+    def _on_member_event(self, ev: Any) -> None:
+        with self._members_lock:
+            if self._members is None:
+                return
+            if ev.kind == "delete":
+                try:
+                    self._members.pop(int(ev.key.rsplit("/", 1)[1]), None)
+                except ValueError:
+                    pass
+            else:
+                self._member_put(ev.key, ev.value)
+        self._notify()
 
     def kill_replica(self, rid: int, sig: int = signal.SIGKILL, reason: str = "") -> None:
         """Send `sig` to every live process of replica `rid`. The next poll() handles the exits
@@ -354,6 +462,12 @@ class Supervisor:
                 if rep.state == "restarting":
                     rep.state = "stopped"
             self._events.close()
+            if self._cancel_members is not None:
+                self._cancel_members()
+                self._cancel_members = None
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
             if self._hold is not None:
                 self._hold.close()
             if self._own_store:
@@ -362,6 +476,10 @@ class Supervisor:
     # -- launching --------------------------------------------------------------------------------
     def _launch(self, rep: _Replica) -> None:
         port = self._free_port()
+        for p in rep.procs:  # the previous incarnation's: reaped
+            fd = self._pidfds.pop(p.pid, None)
+            if fd is not None:
+                os.close(fd)
         rep.procs = []
         for rank in range(rep.spec.nproc):
             path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
@@ -377,6 +495,11 @@ class Supervisor:
                     _wait(p)
                 raise RuntimeError(f"cannot start replica {rep.rid} rank {rank} ({self.cmd[0]!r}): {e}. "
                                    "Check the command and that the run directory is writable.") from e
+        for p in rep.procs:
+            try:
+                self._pidfds[p.pid] = os.pidfd_open(p.pid)
+            except (AttributeError, OSError):  # no pidfds here: run() polls
+                pass
         details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port}
         if rep.restart_step is not None:
             details["wait_step"] = rep.restart_step
@@ -698,7 +821,11 @@ class Supervisor:
 
     # -- etcd reads -------------------------------------------------------------------------------
     def _member_reports(self) -> Optional[dict[int, dict[str, Any]]]:
-        """Live member reports by replica id, or None when etcd could not be read."""
+        """Live member reports by replica id (the watched view; etcd without one), or None when
+        etcd could not be read."""
+        with self._members_lock:
+            if self._members is not None:
+                return dict(self._members)
         try:
             kvs, _ = self._store.get_prefix(keys.members(self._root))
         except StoreError as e:
@@ -745,6 +872,7 @@ class Supervisor:
 
         def on_signal(signum: int, frame: Any) -> None:
             self._signalled = signum
+            self._notify()
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
