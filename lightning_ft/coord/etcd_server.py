@@ -58,6 +58,9 @@ def find_etcd_binary() -> str:
     )
 
 
+BIND_RETRIES = 3
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -110,9 +113,12 @@ class EtcdServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_dir: Optional[str] = None,
                  binary: Optional[str] = None, log_path: Optional[str] = None, *, name: str = "lft",
                  peer_port: int = 0, initial_cluster: Optional[str] = None, cluster_token: str = "lft",
-                 unsafe_no_fsync: bool = True, tls: Optional[ServerTLS] = None, heartbeat_ms: int = 10,
-                 election_ms: int = 50) -> None:
+                 unsafe_no_fsync: bool = True, tls: Optional[ServerTLS] = None, heartbeat_ms: int = 100,
+                 election_ms: int = 500) -> None:
         self.host = host
+        # Ports we picked ourselves may be taken by someone else before etcd binds them (free_port
+        # only asks the kernel for one that is free now): start() then retries on fresh ones.
+        self._picked_ports = not port and not peer_port and initial_cluster is None
         self.port = port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.metrics_port = free_port("127.0.0.1")
@@ -122,6 +128,9 @@ class EtcdServer:
         self.cluster_token = cluster_token
         self.unsafe_no_fsync = unsafe_no_fsync
         self.tls = tls
+        # A lone member elects itself, but raft still ticks every heartbeat: at 10/50 ms an idle
+        # member burnt 20 ms of CPU a second (2 ms of every 100 ms training step), at 100/500 it
+        # burns about 8, and it becomes leader about 0.4 s after it starts.
         self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="lft-etcd-")
@@ -169,12 +178,36 @@ class EtcdServer:
 
         The member is killed when the *thread* that started it exits (PR_SET_PDEATHSIG), so
         start it from a thread that lives as long as it should, e.g. the main thread."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
-        if wait:
-            self.wait_healthy(timeout_s)
+        fresh = not os.path.exists(os.path.join(self.data_dir, "data"))
+        for attempt in range(BIND_RETRIES + 1):
+            with open(self.log_path, "ab") as log:
+                log_start = log.tell()
+                self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
+            if not wait:
+                return self
+            try:
+                self.wait_healthy(timeout_s)
+                return self
+            except RuntimeError:
+                if not (self._picked_ports and fresh and attempt < BIND_RETRIES and self._lost_a_port(log_start)):
+                    raise
+            # Another process took one of the ports between free_port() and etcd's bind: a fresh
+            # member on fresh ports (the failed one may have written a data dir for the old ones).
+            shutil.rmtree(os.path.join(self.data_dir, "data"), ignore_errors=True)
+            self.port, self.peer_port, self.metrics_port = free_port(self.host), free_port(self.host), free_port()
+            self.initial_cluster = f"{self.name}={self.peer_url}"
         return self
+
+    def _lost_a_port(self, since: int) -> bool:
+        """Whether the last start failed because a port was already in use."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                return b"address already in use" in f.read()
+        except OSError:
+            return False
 
     def wait_healthy(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -277,7 +310,8 @@ class EtcdCluster:
             ports = [(port + 2 * i, port + 2 * i + 1) if port else (free_port(host), free_port(host))
                      for i in range(members)]
             initial = ",".join(f"m{i}=http://{host}:{pp}" for i, (_, pp) in enumerate(ports))
-            # Slower beats than a lone member's: a loaded machine must not start spurious elections.
+            # Peers' beats: 50 ms; an election after 500 ms of silence, not sooner, so that a loaded
+            # machine does not start spurious ones.
             self.servers = [EtcdServer(host, cp, os.path.join(self.data_dir, f"m{i}"), binary, name=f"m{i}",
                                        peer_port=pp, initial_cluster=initial, unsafe_no_fsync=unsafe_no_fsync,
                                        tls=tls, heartbeat_ms=50, election_ms=500)

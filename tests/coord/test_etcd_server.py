@@ -68,3 +68,32 @@ def test_a_dead_member_is_restarted_and_rejoins_but_a_stopped_one_is_not():
                 c.restart_dead()
         finally:
             s.close()
+
+
+@pytest.mark.parametrize("which", ["port", "peer_port"])
+def test_a_port_taken_before_etcd_binds_it_is_replaced_by_a_fresh_one(tmp_path, which):
+    """free_port() only says a port is free now; another process may bind it before etcd does
+    (CI saw 'bind: address already in use' at a test module's fixture). A member whose ports we
+    picked starts on fresh ones; one given its port by the caller fails with etcd's reason."""
+    import socket
+
+    srv = EtcdServer(data_dir=str(tmp_path / "picked"))
+    thief = socket.socket()
+    thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken = getattr(srv, which)
+    thief.bind(("127.0.0.1", taken))
+    thief.listen()
+    try:
+        with srv:
+            assert getattr(srv, which) != taken
+            store = EtcdStore([srv.endpoint])
+            store.put("k", b"v")
+            assert store.get("k").value == b"v"
+            store.close()
+        given = EtcdServer(data_dir=str(tmp_path / "given"), port=taken if which == "port" else 0,
+                           peer_port=taken if which == "peer_port" else 0)
+        with pytest.raises(RuntimeError, match="address already in use"):
+            given.start(timeout_s=5.0)
+        given.cleanup()
+    finally:
+        thief.close()

@@ -112,8 +112,10 @@ def test_sigstopped_peer_gives_recoverable_error_at_the_timeout(tmp_path, worker
     for w in ws[:2]:
         e = w.wait_event("error", 5)
         # The stopped rank's neighbours time out (1 s); the other learns from them sooner or at 1 s.
-        assert e["t"] - t_stop < 1.0 + 0.5, e
-    assert max(w.wait_event("error", 0)["t"] for w in ws[:2]) - t_stop >= 0.9
+        # Margins for a loaded 2-core machine: the timeout counts from a neighbour's last progress,
+        # which may precede t_stop, and its error may be scheduled late (the default is 5 s).
+        assert e["t"] - t_stop < 1.0 + 1.0, e
+    assert max(w.wait_event("error", 0)["t"] for w in ws[:2]) - t_stop >= 0.6
     assert len({w.wait_event("after", 30)["digest"] for w in ws[:2]}) == 1
 
 
