@@ -116,6 +116,52 @@ def verify(d: str) -> dict:
     return manifest
 
 
+def _signature(d: str, manifest: dict) -> Optional[tuple]:
+    """(name, inode, size, mtime) of the manifest and of every file it names; None if one is gone."""
+    out = []
+    for name in [MANIFEST, *sorted(manifest["files"])]:
+        try:
+            st = os.stat(os.path.join(d, name))
+        except OSError:
+            return None
+        out.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+_verified: dict[str, tuple] = {}
+"""Checkpoint dir -> the signature of its files when this process last verified it (or wrote it)."""
+_verified_lock = threading.Lock()
+
+
+def verify_cached(d: str) -> dict:
+    """verify(d), but trusting this process's own earlier verification of the same files: if
+    the manifest and every file it names are the same inode, size and mtime as then, they are
+    not hashed again. For pruning, which runs after every save and would otherwise rehash all
+    K kept checkpoints each time; a restore always calls verify()."""
+    path = os.path.join(d, MANIFEST)
+    with _verified_lock:
+        known = _verified.get(d)
+    if known is not None:
+        try:
+            manifest = json.load(open(path))
+        except (OSError, json.JSONDecodeError):
+            manifest = None
+        if manifest is not None and _signature(d, manifest) == known:
+            return manifest
+    manifest = verify(d)
+    _remember(d, manifest)
+    return manifest
+
+
+def _remember(d: str, manifest: dict) -> None:
+    sig = _signature(d, manifest)
+    with _verified_lock:
+        if sig is None:
+            _verified.pop(d, None)
+        else:
+            _verified[d] = sig
+
+
 def list_steps(root: str) -> list[int]:
     if not os.path.isdir(root):
         return []
@@ -151,7 +197,7 @@ def prune(root: str, keep: int, protect: int = -1) -> list[int]:
     good = []
     for s in reversed(steps):
         try:
-            verify(step_dir(root, s))
+            verify_cached(step_dir(root, s))
             good.append(s)
         except CheckpointInvalid:
             continue
@@ -166,6 +212,8 @@ def prune(root: str, keep: int, protect: int = -1) -> list[int]:
     gone = [s for s in steps if s < cutoff and s != keep_too]
     for s in gone:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
+        with _verified_lock:
+            _verified.pop(step_dir(root, s), None)
     if gone:
         fsync_dir(root)
     return gone
@@ -299,7 +347,7 @@ class CheckpointWriter:
                 if self.rank == 0:
                     _atomic_torch_save(extra, os.path.join(d, "extra.pt"))
                     _atomic_write(os.path.join(d, "meta.json"), json.dumps(meta, indent=1, sort_keys=True).encode())
-                    write_manifest(d, step)
+                    _remember(d, write_manifest(d, step))  # it hashed the files it just wrote
                     fsync_dir(self.root)
                     stats.bytes = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
                     stats.write_s = time.perf_counter() - t1

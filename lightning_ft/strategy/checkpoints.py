@@ -26,6 +26,10 @@ class ReplicaCheckpoints:
         pg = dist.new_group(backend="gloo") if world > 1 else None
         self.writer = CheckpointWriter(root, keep, rank, pg, on_done=self._done)
         self.stage_ms = 0.0
+        # Imported at set-up, where a job pays its other one-time costs: the first save would
+        # otherwise spend about 0.8 s of CPU importing torch.distributed.checkpoint mid-training.
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     def maybe_save(self, model: Any, optimizer: Any, schedulers: Any, committed: int, rank: int) -> None:
         mgr = self.mgr

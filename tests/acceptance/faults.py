@@ -58,7 +58,13 @@ def run_with_faults(tmp_path, etcd_endpoint: str, script: str, *script_args: str
         if stop_s:
             plan.append(("stop", rng.uniform(0.5, 2.5), rng.randrange(replicas)))
         for kind, delay, rid in plan:
-            time.sleep(delay)
+            # After `delay`, or sooner once a replica passed the middle of the run: on fast steps a
+            # fixed delay put a kill so late that the survivor finished before the restart could
+            # rejoin (CI: killed near step 34 of 40, and the restarted replica had nothing to train).
+            until = time.monotonic() + delay
+            while (time.monotonic() < until and proc.poll() is None
+                   and max(_steps(run_dir, r) for r in range(replicas)) < steps // 2):
+                time.sleep(0.02)
             pids = _pids(run_dir).get(rid, [])
             if not pids or proc.poll() is not None:
                 continue

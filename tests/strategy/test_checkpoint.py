@@ -83,6 +83,34 @@ def test_prune_keeps_the_newest_k(tmp_path):
     assert ck.list_steps(str(tmp_path)) == [3, 4]
 
 
+def test_prune_hashes_only_what_changed_since_this_process_verified_it(tmp_path, monkeypatch):
+    """Pruning after every save re-verified all K kept checkpoints (rehashing every file); it
+    now trusts files it hashed itself while they keep their inode, size and mtime. A file
+    rewritten since (a corruption) is hashed again and the checkpoint stops counting as kept."""
+    m, opt = _model()
+    w = ck.CheckpointWriter(str(tmp_path), keep=2, rank=0)
+    for step in (1, 2):
+        w.save(step, m, opt, {"schedulers": [], "param_groups": []}, {"step": step})
+        w.wait(30)
+    hashed: list[str] = []
+    real = ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda path: hashed.append(path) or real(path))
+    assert ck.prune(str(tmp_path), keep=2) == []
+    assert hashed == []  # both written (and hashed) by this process, unchanged since
+    d2 = ck.step_dir(str(tmp_path), 2)
+    victim = next(os.path.join(d2, n) for n in sorted(os.listdir(d2)) if n.endswith(".distcp"))
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    time.sleep(0.01)
+    open(victim, "wb").write(bytes(data))  # same size; a new mtime
+    w.save(3, m, opt, {"schedulers": [], "param_groups": []}, {"step": 3})
+    w.wait(30)
+    assert victim in hashed  # changed since: hashed again, and it fails its manifest
+    assert ck.list_steps(str(tmp_path)) == [1, 2, 3]  # so step 2 is not one of the 2 kept: 1 stays
+    with pytest.raises(ck.CheckpointInvalid, match="sha256"):
+        ck.verify(d2)
+
+
 def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
     steps = 30
     ckpt = ("checkpoint.every_n_steps=10", "checkpoint.keep=5")
