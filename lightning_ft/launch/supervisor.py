@@ -391,18 +391,12 @@ class Supervisor:
             with self._members_lock:
                 self._members = {}
                 for kv in kvs:
-                    self._member_put(kv.key, kv.value)
+                    _put_report(self._members, kv.key, kv.value)
             self._cancel_members = self._store.watch_prefix(keys.members(self._root), self._on_member_event,
                                                             start_revision=rev + 1)
         except StoreError as e:
             log.warning("cannot watch the member reports (%s); reading them at every poll instead", e)
             self._members = None
-
-    def _member_put(self, key: str, value: bytes) -> None:
-        try:
-            self._members[int(key.rsplit("/", 1)[1])] = json.loads(value)
-        except ValueError:
-            log.warning("ignoring malformed member report %s", key)
 
     def _on_member_event(self, ev: Any) -> None:
         with self._members_lock:
@@ -414,7 +408,7 @@ class Supervisor:
                 except ValueError:
                     pass
             else:
-                self._member_put(ev.key, ev.value)
+                _put_report(self._members, ev.key, ev.value)
         self._notify()
 
     def kill_replica(self, rid: int, sig: int = signal.SIGKILL, reason: str = "") -> None:
@@ -468,6 +462,8 @@ class Supervisor:
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
+            # the wake pipe stays open: a late signal or watch callback may still write to it,
+            # and a closed descriptor's number may by then belong to some other file
             if self._hold is not None:
                 self._hold.close()
             if self._own_store:
@@ -831,12 +827,9 @@ class Supervisor:
         except StoreError as e:
             log.warning("cannot read member reports: %s", e)
             return None
-        reports = {}
+        reports: dict[int, dict[str, Any]] = {}
         for kv in kvs:
-            try:
-                reports[int(kv.key.rsplit("/", 1)[1])] = json.loads(kv.value)
-            except ValueError:
-                log.warning("ignoring malformed member report %s", kv.key)
+            _put_report(reports, kv.key, kv.value)
         return reports
 
     def _job_step(self, reports: Optional[dict[int, dict[str, Any]]] = None) -> int:
@@ -908,6 +901,14 @@ def _failure_schedule(config_path: Optional[str], replicas: int) -> Any:
     if not cfg.failure.events:
         return None
     return FailureSchedule.from_config(cfg.failure, replicas)
+
+
+def _put_report(reports: dict[int, dict[str, Any]], key: str, value: bytes) -> None:
+    """reports[replica id of members/ `key`] = its parsed report; a malformed one is skipped."""
+    try:
+        reports[int(key.rsplit("/", 1)[1])] = json.loads(value)
+    except ValueError:
+        log.warning("ignoring malformed member report %s", key)
 
 
 def _peek(p: subprocess.Popen) -> Optional[int]:
