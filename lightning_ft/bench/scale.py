@@ -2,11 +2,14 @@
 
     python -m lightning_ft.bench.scale [--replicas 2 4 8 12 16 32 64] [--ranks 8 128 1024 8192]
                                        [--rounds 30] [--step-s 0.2] [--probe-world 2 4 8]
-                                       [--addr-ranks 64 512 2048 8192] [--no-ledger] [--quick]
+                                       [--shapes 12x8192 32x3072 64x1536] [--quick]
 
 Real: etcd, the coordinator and quorum code, R replica leaders (threads in a few processes,
 each with its own etcd clients) running back-to-back rounds (and, for --with-ledger, the
-commit ledger between rounds), and gloo broadcasts over W <= 8 local processes. Shadowed:
+commit ledger between rounds), and gloo broadcasts over W <= 8 local processes. Every etcd
+message is the coordinator's own: leaders register their ranks' real addresses (W of them;
+--sweep-ranks in the R sweep, the shape's W in --shapes) and read their ring neighbours'
+when the epoch changes. Shadowed:
 forward/backward/exchange (a sleep of --step-s) and the fan-out of each quorum from a
 leader to its W ranks, which follows gloo's binomial tree (sim/fanout.py) with hop costs
 measured here on the W = 2 gloo probe.
@@ -22,8 +25,9 @@ Prints, in order:
 - `scale`, per (R, W): {"bench": "scale", "replicas": R, "ranks_per_replica": W,
   "p50_ms": ..., "p99_ms": ...}, a leader's quorum() latency plus the modelled fan-out to
   its W ranks (sampled independently and added), with both parts alongside;
-- `scale_addrs`, per --addr-ranks W: the same with every leader registering W real per-rank
-  addresses, as the coordinator's reports and quorums carry them today;
+- `scale_shape`, per --shapes R x W: R leaders that each register W addresses, the round's
+  p50/p99 (quorum + modelled fan-out), the largest etcd message, the neighbour-address read
+  at an epoch change and the registration (`--addr-ranks W ... --addr-replicas R` adds shapes);
 - `scale_env`: cores and load average (this machine is shared).
 """
 from __future__ import annotations
@@ -102,6 +106,8 @@ def cost_row(run: LeaderRun, cores: int) -> dict:
             "cores": cores, "rpcs_per_round": round(rpcs / rounds, 1),
             "rpc_ms_per_round": {k: _ms(ms / rounds) for k, (n, ms) in run.rpc.items() if n},
             "watch_events_per_round": round(run.events / rounds, 1),
+            "evaluations_per_round": round(run.evaluations / rounds, 2),
+            "max_etcd_message_bytes": run.max_message_bytes,
             "ledger_p50_ms": _ms(percentile(run.ledger_ms, 0.5)) if run.ledger_ms else None,
             "quorum_json_bytes": run.quorum_json_bytes}
 
@@ -116,20 +122,40 @@ def measure_leaders(a: argparse.Namespace, endpoint: str, etcd_pid: Optional[int
     cases = [(r, False) for r in a.replicas] + [(r, True) for r in a.with_ledger]
     for r, led in cases:
         t0 = time.monotonic()
-        runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=led,
+        runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=led, addr_ranks=a.sweep_ranks,
                                 processes=a.processes, etcd_pid=etcd_pid))
         _log(f"{r} leaders x {a.rounds} rounds{' with the ledger' if led else ''} in {time.monotonic() - t0:.1f}s")
-    addr_runs = []
-    for w in a.addr_ranks:
+    shape_runs = []
+    for r, w in shapes_of(a):
         t0 = time.monotonic()
         try:
-            addr_runs.append((w, run_leaders(endpoint, a.addr_replicas, rounds=max(5, a.rounds // 3),
-                                             step_s=a.step_s, addr_ranks=w, ledger=False,
-                                             processes=a.processes, etcd_pid=etcd_pid)))
-        except RuntimeError as e:  # e.g. etcd refusing a quorum too large for one request
-            addr_runs.append((w, _short_error(str(e))))
-        _log(f"{a.addr_replicas} leaders with {w} addresses each in {time.monotonic() - t0:.1f}s")
-    return runs, addr_runs
+            shape_runs.append((r, w, run_leaders(endpoint, r, rounds=max(5, a.rounds // 3), step_s=a.step_s,
+                                                 addr_ranks=w, ledger=False, processes=a.processes,
+                                                 etcd_pid=etcd_pid)))
+        except RuntimeError as e:  # e.g. etcd refusing a message too large for one request
+            shape_runs.append((r, w, _short_error(str(e))))
+        _log(f"{r} leaders with {w} addresses each in {time.monotonic() - t0:.1f}s")
+    return runs, shape_runs
+
+
+def shapes_of(a: argparse.Namespace) -> list[tuple[int, int]]:
+    """(R, W) of every shape to run: --shapes, then --addr-replicas x each --addr-ranks."""
+    out = []
+    for text in a.shapes:
+        r, _, w = text.lower().partition("x")
+        if not (r.isdigit() and w.isdigit()):
+            raise SystemExit(f"bench.scale: --shapes takes RxW, like 12x8192; got {text!r}")
+        out.append((int(r), int(w)))
+    return out + [(a.addr_replicas, w) for w in a.addr_ranks]
+
+
+def shape_row(r: int, w: int, run: LeaderRun, model: HopModel, rng: np.random.Generator) -> dict:
+    row = scale_rows(run, [w], model, len(pickle.dumps(run.message)), rng, bench="scale_shape")[0]
+    row.update(quorum_json_bytes=run.quorum_json_bytes, max_etcd_message_bytes=run.max_message_bytes,
+               resolve_p50_ms=_ms(percentile(run.resolve_ms, 0.5)) if run.resolve_ms else None,
+               register_p50_ms=_ms(percentile(run.register_ms, 0.5)) if run.register_ms else None,
+               agreed=run.agreed(), watch_events_per_round=round(run.events / (run.rounds + 3), 1))
+    return row
 
 
 def measure_fanout(a: argparse.Namespace, message: object, rng: np.random.Generator,
@@ -180,17 +206,20 @@ def main(argv: list[str] | None = None) -> int:
                         "as on a cluster, rather than queueing behind other work on this machine)")
     p.add_argument("--cpu-check-world", type=int, default=4,
                    help="also probe this many processes pinned to one core (0: skip)")
-    p.add_argument("--addr-ranks", type=int, nargs="*", default=[64, 512, 2048, 8192],
-                   help="W for the runs whose leaders register all W per-rank addresses (with 12 replicas)")
+    p.add_argument("--shapes", nargs="*", default=["12x8192", "32x3072", "64x1536"],
+                   help="RxW jobs to run with W real per-rank addresses per leader")
+    p.add_argument("--addr-ranks", type=int, nargs="*", default=[],
+                   help="more shapes: --addr-replicas x each of these W")
     p.add_argument("--addr-replicas", type=int, default=12)
+    p.add_argument("--sweep-ranks", type=int, default=8, help="addresses each leader registers in the R sweep")
     p.add_argument("--processes", type=int, default=4, help="processes the leader threads are spread over")
     p.add_argument("--etcd", default="", help="external etcd host:port (default: embedded; its CPU is measured)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a small sweep (tests)")
     a = p.parse_args(argv)
     if a.quick:
-        a.replicas, a.ranks, a.rounds, a.probe_world, a.probe_iters, a.addr_ranks, a.addr_replicas = \
-            [2, 3], [2, 8192], 5, [2, 3], 40, [256], 3
+        a.replicas, a.ranks, a.rounds, a.probe_world, a.probe_iters, a.addr_ranks, a.shapes = \
+            [2, 3], [2, 8192], 5, [2, 3], 40, [], ["3x600"]
         a.cpu_check_world, a.step_s, a.with_ledger, a.probe_nice = 0, 0.05, [3], 0
     if a.probe_world[0] != 2:
         p.error("--probe-world must start with 2: the hop model is fitted on a 2-process probe")
@@ -201,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = _loadavg()
     server = None if a.etcd else EtcdServer().start()
     try:
-        runs, addr_runs = measure_leaders(a, a.etcd or server.endpoint, server.proc.pid if server else None)
+        runs, shape_runs = measure_leaders(a, a.etcd or server.endpoint, server.proc.pid if server else None)
     finally:
         if server is not None:
             server.cleanup()
@@ -214,14 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         for row in scale_rows(run, a.ranks, model, len(pickle.dumps(run.message)), rng):
             print(json.dumps(row), flush=True)
-    for w, run in addr_runs:
+    for r, w, run in shape_runs:
         if isinstance(run, str):
-            print(json.dumps({"bench": "scale_addrs", "replicas": a.addr_replicas, "ranks_per_replica": w,
-                              "error": run}), flush=True)
+            print(json.dumps({"bench": "scale_shape", "replicas": r, "ranks_per_replica": w, "error": run}),
+                  flush=True)
             continue
-        row = scale_rows(run, [w], model, len(pickle.dumps(run.message)), rng, bench="scale_addrs")[0]
-        row["quorum_json_bytes"] = run.quorum_json_bytes
-        print(json.dumps(row), flush=True)
+        print(json.dumps(shape_row(r, w, run, model, rng)), flush=True)
     print(json.dumps({"bench": "scale_env", "cores": cores, "loadavg_start": load0, "loadavg_end": _loadavg()}),
           flush=True)
     return 0

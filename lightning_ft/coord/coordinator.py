@@ -10,7 +10,16 @@ so one round has exactly one quorum: two leaders that raced with different views
 train with the same members (no split brain). A leader left out of a round it reported
 for (a late joiner) moves to the next round; the healthy replicas never wait for it.
 
-Liveness. `members/{rid}` is bound to a lease kept alive by a thread. The thread stops
+Messages. A report (`members/{rid}`) and a quorum carry O(1) bytes per member: the per-rank
+listener addresses are published once per lease under `addrs/` (coord/addresses.py) and read
+by the leaders that need them when a ring changes (`addresses`).
+
+Work per round is O(R). Only the round's decider watches `members/` (every report); it keeps
+the reports its watch delivers and reads etcd for the decision once they could decide it
+(`quorum.waiting_for`), not at every report. The other leaders watch `alive/{rid}` (one
+small key per lease: failures and joiners), `evict/` and `quorum/` (one decision a round).
+
+Liveness. `members/{rid}` and `alive/{rid}` are bound to a lease kept alive by a thread. The thread stops
 refreshing once the training loop has made no progress (`heartbeat`) for `hang_timeout_s`,
 so a hung replica drops out within TTL. A supervisor that sees a process die writes
 `evict/{rid}/{inc}`, which removes it at once instead of after the TTL.
@@ -25,7 +34,8 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from . import keys
-from .quorum import Decision, History, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff
+from .addresses import AddressBook, Addresses, encode_blocks, publish as publish_addresses
+from .quorum import Decision, History, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff, waiting_for
 from .store import Event, LeaseExpired, Store, StoreError
 from lightning_ft.threads import Thread
 
@@ -104,6 +114,18 @@ class Coordinator:
         incarnation, our lease lapsed): the next round must be a full round."""
         self._slow_poll_s = max(poll_interval_s * 5, 0.25)
         self._fallback_s = 2.0 * lease_ttl_s
+        self._addr_blocks: list[bytes] = []
+        self._world = 1
+        self.book: Optional[AddressBook] = None
+        """Fetched per-rank addresses of other incarnations (`addresses`)."""
+        self._cancel_reports: Optional[Callable[[], None]] = None
+        """The members/ watch, held while we decide rounds."""
+        self._reports: dict[int, Report] = {}
+        """Reports that watch delivered, by replica id (guarded by _dead_lock)."""
+        self._evicted: set[tuple[int, int]] = set()
+        """Every eviction the evict/ watch delivered."""
+        self.evaluations = 0
+        """Decisions evaluated from etcd (one a round when the watched reports allow it)."""
 
     @property
     def root(self) -> str:
@@ -136,11 +158,18 @@ class Coordinator:
                 f"is registered and alive. Is the same replica id started twice, or another job running with the "
                 f"same job id and secret? Give each replica its own id, or the other job another --job")
         self._next_round = self._latest_round() + 1
-        self._report = Report(self.rid, self.incarnation, step, self._next_round,
-                              dict(self.spec.fingerprint), tuple(addrs), tuple(state_addrs), **state)
+        self._report = Report(self.rid, self.incarnation, step, self._next_round, dict(self.spec.fingerprint),
+                              **state)
+        addrs = tuple(addrs)
+        state_addrs = tuple(state_addrs) or ("",) * len(addrs)
+        self._world = max(1, len(addrs))
+        self._addr_blocks = encode_blocks(addrs, state_addrs) if addrs else []
+        self.book = AddressBook(self.store, self._root, self._world)
+        if addrs:
+            self.book.put(self.rid, self.incarnation, (addrs, state_addrs))
         self._grant_and_publish()
         self._cancel_watches.append(self.store.watch_prefix(keys.evict(self._root), self._on_event))
-        self._cancel_watches.append(self.store.watch_prefix(keys.members(self._root), self._on_event))
+        self._cancel_watches.append(self.store.watch_prefix(keys.alive(self._root), self._on_event))
         self._cancel_watches.append(self.store.watch_prefix(keys.quorum(self._root), self._on_event))
         self._keepalive = Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
         self._keepalive.start()
@@ -170,8 +199,13 @@ class Coordinator:
             raise JobHalted(json.loads(kv.value)["reason"])
 
     def _grant_and_publish(self) -> None:
+        """A new lease, and on it our addresses, our alive key and our report (in that order:
+        whoever sees the report can read the rest)."""
         self._lease = self.store.lease_grant(self.lease_ttl_s)
         self._lease_lost.clear()
+        publish_addresses(self.store, self._root, self.rid, self.incarnation, self._addr_blocks, self._lease)
+        self.store.put(keys.alive(self._root, self.rid), json.dumps({"incarnation": self.incarnation}).encode(),
+                       lease=self._lease)
         key = keys.members(self._root, self.rid)
         self.store.put(key, self._report.to_json(), lease=self._lease)
         kv = self.store.get(key)
@@ -209,12 +243,14 @@ class Coordinator:
             self._decisions[int(parts[1])] = ev.value
         elif parts[0] == "evict" and ev.kind == "put" and len(parts) == 3:
             rid, inc = int(parts[1]), int(parts[2])
+            with self._dead_lock:
+                self._evicted.add((rid, inc))
             if q is not None and (rid, inc) in q.member_set():
                 with self._dead_lock:
                     self._dead.add((rid, inc))
                 self.changed = True
                 failed = (rid, f"evicted: {ev.value.decode(errors='replace')}")
-        elif parts[0] == "members" and len(parts) == 2 and q is not None:
+        elif parts[0] == "alive" and len(parts) == 2 and q is not None:
             rid = int(parts[1])
             if rid in q.members:
                 inc = q.incarnations[q.members.index(rid)]
@@ -223,15 +259,56 @@ class Coordinator:
                         self._dead.add((rid, inc))
                         self.changed = True
                         failed = (rid, "lease expired")
-                    elif Report.from_json(ev.value).incarnation == inc:
+                    elif json.loads(ev.value)["incarnation"] == inc:
                         self._dead.discard((rid, inc))  # back from a lapse (evictions are re-checked in quorum)
                     else:
                         self.changed = True  # a new incarnation replaces a member
             elif ev.kind == "put" and rid != self.rid:
                 self.changed = True  # a joiner: take it in at the next round
+        elif parts[0] == "members" and len(parts) == 2:  # the decider's watch only
+            rid = int(parts[1])
+            with self._dead_lock:
+                if ev.kind == "delete":
+                    self._reports.pop(rid, None)
+                else:
+                    self._reports[rid] = Report.from_json(ev.value)
+            if ev.kind == "put" and rid != self.rid and q is not None and rid not in q.members:
+                self.changed = True  # a joiner still reporting (left out of a round): take it in
         self._wake.set()
         if failed and failed[0] != self.rid and self.on_failure is not None:
             self.on_failure(*failed)
+
+    def _watch_reports(self, want: bool) -> None:
+        """Hold the members/ watch while we decide rounds, drop it when another leader does."""
+        if want and self._cancel_reports is None:
+            kvs, rev = self.store.get_prefix(keys.members(self._root))
+            with self._dead_lock:
+                self._reports = {r.rid: r for r in (Report.from_json(kv.value) for kv in kvs)}
+            self._cancel_reports = self.store.watch_prefix(keys.members(self._root), self._on_event,
+                                                           start_revision=rev + 1)
+        elif not want and self._cancel_reports is not None:
+            self._cancel_reports()
+            self._cancel_reports = None
+            with self._dead_lock:
+                self._reports = {}
+
+    @property
+    def watching_reports(self) -> bool:
+        return self._cancel_reports is not None
+
+    def _could_decide(self, round: int, waited_s: float) -> bool:
+        """Whether the reports our watch delivered could decide `round` (quorum.waiting_for)."""
+        with self._dead_lock:
+            reports, evicted = dict(self._reports), set(self._evicted)
+        previous = self._current if self._current is not None and self._current.round == round - 1 else None
+        if previous is None and self._current is not None:
+            return True  # we missed rounds: only etcd knows the previous quorum
+        return not waiting_for(round, reports, evicted, previous, self.spec, waited_s)
+
+    def addresses(self, rid: int, incarnation: int) -> Optional[Addresses]:
+        """(FTAR, state-server) addresses of every rank of (rid, incarnation), read once while
+        it lives; None when it has none in etcd (it died or left)."""
+        return self.book.get(rid, incarnation)
 
     def evict(self, rid: int, incarnation: int, reason: str) -> None:
         """Declare (rid, incarnation) dead, effective for everyone at once."""
@@ -263,6 +340,7 @@ class Coordinator:
                                cursor=self._report.cursor if cursor is None else cursor, **state)
         self._publish(step, self._next_round)
         started = last_get = self._clock()
+        last_eval = started
         first = True
         while True:
             if first or self._clock() - last_get >= self._slow_poll_s:
@@ -277,8 +355,13 @@ class Coordinator:
             if raw is None and (first or now - last_get >= self._slow_poll_s):
                 kv = self.store.get(self._round_key(round))
                 raw, last_get = (kv.value if kv else None), now
-            first = False
-            if raw is None and self._is_decider(now - started):
+            decider = raw is None and self._is_decider(now - started)
+            if decider:
+                self._watch_reports(True)
+            # Evaluate from etcd once the watched reports could decide the round (and at least
+            # every slow poll, whatever they say).
+            if decider and (first or now - last_eval >= self._slow_poll_s or self._could_decide(round, now - started)):
+                last_eval = now
                 decision = self._evaluate(round, now - started)
                 self._log_reason(decision.reason)
                 if decision.quorum is not None or decision.halt:
@@ -288,6 +371,7 @@ class Coordinator:
                         self._decided(round, decision)
                     else:  # someone else decided first: theirs stands
                         raw = self.store.get(self._round_key(round)).value
+            first = False
             if raw is not None:
                 if raw.startswith(b'{"halt"'):
                     raise JobHalted(json.loads(raw)["halt"])
@@ -358,6 +442,7 @@ class Coordinator:
         for r in list(self._decisions):  # list(): the watch thread inserts concurrently
             if r <= q.round:
                 self._decisions.pop(r, None)
+        self._watch_reports(self._is_decider(0.0))
         self._log_reason(q.reason)
 
     def _is_decider(self, waited_s: float) -> bool:
@@ -398,6 +483,7 @@ class Coordinator:
         return keys.round_of(kvs[-1].key) if kvs else -1
 
     def _evaluate(self, round: int, waited_s: float) -> Decision:
+        self.evaluations += 1
         members, rev = self.store.get_prefix(keys.members(self._root))
         evicts, _ = self.store.get_prefix(keys.evict(self._root), revision=rev)
         reports = {}
@@ -485,6 +571,9 @@ class Coordinator:
         for cancel in self._cancel_watches:
             cancel()
         self._cancel_watches.clear()
+        if self._cancel_reports is not None:
+            self._cancel_reports()
+            self._cancel_reports = None
         if self._keepalive is not None:
             self._keepalive.join(2.0)
         if revoke and self._lease:

@@ -8,7 +8,12 @@ string; the launcher, the coordinator, the replica manager, the ledger and the t
 call these.
 
     config                         job fingerprint (create-if-absent by the first leader)
-    members/{rid}                  a leader's Report, bound to its lease
+    members/{rid}                  a leader's per-round Report, bound to its lease (watched
+                                   by the round's decider and the supervisor only)
+    alive/{rid}                    {"incarnation": n}, bound to the same lease: written once per
+                                   lease, watched by every leader for failures and joiners
+    addrs/{rid}/{inc}/{block:06d}  per-rank listener addresses of an incarnation, BLOCK_RANKS
+                                   ranks a key, bound to its lease (coord/addresses.py)
     evict/{rid}/{inc}              a failure, written by a supervisor or a leader
     left/{rid}/{inc}               a clean exit (so the supervisor does not call it a hang)
     quorum/{round:012d}            the decided Quorum of a round (or a halt record)
@@ -44,6 +49,22 @@ def config(root: str) -> str:
 
 def members(root: str, rid: int | None = None) -> str:
     return f"{root}members/" + ("" if rid is None else str(rid))
+
+
+def alive(root: str, rid: int | None = None) -> str:
+    return f"{root}alive/" + ("" if rid is None else str(rid))
+
+
+def addrs(root: str, rid: int | None = None, inc: int | None = None, block: int | None = None) -> str:
+    """Prefix of every replica's addresses, of one replica, of one incarnation, or one block."""
+    out = f"{root}addrs/"
+    if rid is not None:
+        out += f"{rid}/"
+        if inc is not None:
+            out += f"{inc}/"
+            if block is not None:
+                out += f"{block:06d}"
+    return out
 
 
 def evict(root: str, rid: int | None = None, inc: int | None = None) -> str:

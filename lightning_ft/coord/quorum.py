@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Mapping, Optional
 
 MAX_STEADY_STEPS = 64
@@ -64,6 +64,12 @@ STRIKES = 3
 QUARANTINE_ROUNDS = 4
 """Rounds an excluded member sits out on its first exclusion (doubling on each repeat)."""
 TRAIN, SYNC = "train", "sync"
+
+
+def _known(cls: type, d: dict) -> dict:
+    """The fields of `cls` in a decoded record (a record from another version may carry more)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,6 @@ class Report:
     """The round this leader is ready to take part in."""
     fingerprint: Mapping[str, object] = field(default_factory=dict)
     """Job settings every replica must agree on (config.fingerprint)."""
-    addrs: tuple[str, ...] = ()
-    """Per-rank FTAR addresses, host:port, indexed by local rank."""
-    state_addrs: tuple[str, ...] = ()
-    """Per-rank catch-up state-server addresses."""
     cursor: int = 0
     """Next batch index of this replica's data slot (DESIGN §7)."""
     ring_ok: bool = True
@@ -110,8 +112,8 @@ class Report:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Report":
-        d = json.loads(raw)
-        for k in ("addrs", "state_addrs", "blame", "bad_checkpoints"):
+        d = _known(cls, json.loads(raw))
+        for k in ("blame", "bad_checkpoints"):
             d[k] = tuple(d.get(k, ()))
         d["made"] = tuple(d.get("made", (-1, -1)))
         return cls(**d)
@@ -132,9 +134,6 @@ class Quorum:
     """Train rounds: members at max_step whose gradients count. Sync rounds: the source."""
     lagging: tuple[int, ...]
     """Members that catch up (train: zeros + catch-up; sync: adopt the source's state)."""
-    addrs: tuple[tuple[str, ...], ...] = ()
-    """FTAR addresses of each member, aligned with `members`."""
-    state_addrs: tuple[tuple[str, ...], ...] = ()
     cursors: tuple[int, ...] = ()
     """Reported data cursor of each member, aligned with `members`."""
     reason: str = ""
@@ -179,11 +178,9 @@ class Quorum:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Quorum":
-        d = json.loads(raw)
+        d = _known(cls, json.loads(raw))
         for k in ("members", "incarnations", "contributors", "lagging", "diverged"):
             d[k] = tuple(d.get(k, ()))
-        d["addrs"] = tuple(tuple(a) for a in d.get("addrs", ()))
-        d["state_addrs"] = tuple(tuple(a) for a in d.get("state_addrs", ()))
         d["cursors"] = tuple(d.get("cursors", ()))
         d["slot_cursors"] = tuple(d.get("slot_cursors", ()))
         d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
@@ -259,17 +256,13 @@ def _names(rids) -> str:
     return " ".join(f"r{r}" for r in rids) or "none"
 
 
-def compute_quorum(
-    round: int,
-    reports: Mapping[int, Report],
-    evicted: frozenset[tuple[int, int]] | set[tuple[int, int]],
-    previous: Optional[Quorum],
-    job: JobSpec,
-    waited_s: float = 0.0,
-    history: History = History(),
-) -> Decision:
-    """Decide the quorum of `round`; see the module docstring for the rules."""
-    quarantined = {rid: until for rid, until, _ in (previous.quarantine if previous else ()) if round < until}
+def _quarantined(round: int, previous: Optional[Quorum]) -> dict[int, int]:
+    return {rid: until for rid, until, _ in (previous.quarantine if previous else ()) if round < until}
+
+
+def _valid(round: int, reports: Mapping[int, Report], evicted, job: JobSpec,
+           quarantined: Mapping[int, int]) -> tuple[dict[int, str], dict[int, Report]]:
+    """Rule 1: (refused with why, valid reports) of a round."""
     refused: dict[int, str] = {}
     valid: dict[int, Report] = {}
     for rid, rep in sorted(reports.items()):
@@ -281,29 +274,63 @@ def compute_quorum(
             continue
         if rep.round >= round and rid not in quarantined:
             valid[rid] = rep
+    return refused, valid
 
-    # Rule 2: wait for every surviving member of the previous quorum.
+
+def _survivors(reports: Mapping[int, Report], evicted, previous: Optional[Quorum], refused: Mapping[int, str],
+               quarantined: Mapping[int, int]) -> list[int]:
+    """Rule 2: members of the previous quorum still alive (key present, same incarnation, not
+    evicted, refused or quarantined)."""
     survivors: list[int] = []
-    if previous is not None:
-        for rid, inc in zip(previous.members, previous.incarnations):
-            rep = reports.get(rid)
-            if rep is None or rep.incarnation != inc or (rid, inc) in evicted or rid in refused:
-                continue  # gone: expired, evicted, or replaced by a new incarnation
-            if rid in quarantined:
-                continue
-            survivors.append(rid)
-        missing = [r for r in survivors if r not in valid]
-        if missing:
-            return Decision(None, f"round {round}: waiting for {_names(missing)} to report "
-                                  f"(previous members; {len(valid)} reported)", refused)
+    for rid, inc in zip(previous.members, previous.incarnations) if previous is not None else ():
+        rep = reports.get(rid)
+        if rep is None or rep.incarnation != inc or (rid, inc) in evicted or rid in refused:
+            continue  # gone: expired, evicted, or replaced by a new incarnation
+        if rid in quarantined:
+            continue
+        survivors.append(rid)
+    return survivors
 
-    # Rule 3: a fresh start waits for everyone, or for the init timeout.
-    if not survivors:
-        if len(valid) < job.replicas and waited_s < job.init_timeout_s:
-            absent = [r for r in range(job.replicas) if r not in valid]
-            return Decision(None, f"round {round}: starting, waiting for {len(valid)} of {job.replicas} replicas: "
-                                  f"{_names(absent)} not reported ({waited_s:.1f}s of {job.init_timeout_s:.1f}s)",
-                            refused)
+
+def _waiting(round: int, valid: Mapping[int, Report], survivors: list[int], job: JobSpec, waited_s: float) -> str:
+    """Rules 2 and 3: why the round cannot be decided yet ("" once it can)."""
+    missing = [r for r in survivors if r not in valid]
+    if missing:
+        return f"round {round}: waiting for {_names(missing)} to report (previous members; {len(valid)} reported)"
+    if not survivors and len(valid) < job.replicas and waited_s < job.init_timeout_s:
+        absent = [r for r in range(job.replicas) if r not in valid]
+        return (f"round {round}: starting, waiting for {len(valid)} of {job.replicas} replicas: "
+                f"{_names(absent)} not reported ({waited_s:.1f}s of {job.init_timeout_s:.1f}s)")
+    return ""
+
+
+def waiting_for(round: int, reports: Mapping[int, Report], evicted, previous: Optional[Quorum], job: JobSpec,
+                waited_s: float = 0.0) -> str:
+    """Why `compute_quorum` would still wait on these reports ("" when it would decide or
+    refuse for another reason). The round's decider runs this on the reports its watch
+    delivers, and reads etcd for the real decision only once it is "": one evaluation a
+    round instead of one per report."""
+    quarantined = _quarantined(round, previous)
+    refused, valid = _valid(round, reports, evicted, job, quarantined)
+    return _waiting(round, valid, _survivors(reports, evicted, previous, refused, quarantined), job, waited_s)
+
+
+def compute_quorum(
+    round: int,
+    reports: Mapping[int, Report],
+    evicted: frozenset[tuple[int, int]] | set[tuple[int, int]],
+    previous: Optional[Quorum],
+    job: JobSpec,
+    waited_s: float = 0.0,
+    history: History = History(),
+) -> Decision:
+    """Decide the quorum of `round`; see the module docstring for the rules."""
+    quarantined = _quarantined(round, previous)
+    refused, valid = _valid(round, reports, evicted, job, quarantined)
+    survivors = _survivors(reports, evicted, previous, refused, quarantined)
+    wait = _waiting(round, valid, survivors, job, waited_s)
+    if wait:
+        return Decision(None, wait, refused)
 
     # Rule 5: a partition that keeps breaking the ring excludes one member.
     strikes, quarantine, excluded = _strikes(round, valid, previous)
@@ -422,8 +449,6 @@ def compute_quorum(
                              for s in range(job.replicas))
     q = Quorum(round=round, epoch=epoch, members=members, incarnations=incs, max_step=max_step,
                contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
-               addrs=tuple(valid[r].addrs for r in members),
-               state_addrs=tuple(valid[r].state_addrs for r in members),
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
                quarantine=quarantine, stop=any(valid[r].stop for r in members))

@@ -81,13 +81,16 @@ class Work:
 
 @dataclass(frozen=True)
 class Ring:
-    epoch: int
-    addrs: tuple[str, ...]
-    index: int
+    """This rank's place in one epoch's ring: its index of n, and the listener addresses of
+    the two neighbours it connects to (all a rank needs of the others)."""
 
-    @property
-    def n(self) -> int:
-        return len(self.addrs)
+    epoch: int
+    n: int
+    index: int
+    left: str
+    """The rank we receive from."""
+    right: str
+    """The rank we send to."""
 
 
 class FTAR:
@@ -151,22 +154,31 @@ class FTAR:
 
     # -- control ------------------------------------------------------------------------------------
     def reconfigure(self, epoch: int, ring_addrs: Sequence[str], index: int) -> float:
-        """Connect to this epoch's ring (fails queued work first). Returns the seconds it took."""
+        """Connect to this epoch's ring, given every member's address in ring order (fails
+        queued work first). Returns the seconds it took."""
+        n = len(ring_addrs)
+        if not 0 <= index < n:
+            raise FatalError(f"ring index {index} out of range for {n} addresses")
+        left, right = neighbours(n, index)
+        return self.join(epoch, n, index, ring_addrs[left], ring_addrs[right])
+
+    def join(self, epoch: int, n: int, index: int, left: str, right: str) -> float:
+        """Connect to this epoch's ring as member `index` of `n`, knowing only the two
+        neighbours' addresses (`reconfigure` without the others'). Returns the seconds it took."""
         t0 = time.perf_counter()
-        if not 0 <= index < len(ring_addrs):
-            raise FatalError(f"ring index {index} out of range for {len(ring_addrs)} addresses")
+        if not 0 <= index < n:
+            raise FatalError(f"ring index {index} out of range for a ring of {n}")
         if self._ring is not None and epoch < self._ring.epoch:
             raise RecoverableError(None, f"stale epoch {epoch} < current {self._ring.epoch}")
         if not self._idle.is_set():
             self.abort(f"reconfigure to epoch {epoch}")
             if not self._idle.wait(self.timeout_s + 1):
                 raise FatalError("FTAR control thread did not stop for reconfigure")
-        ring = Ring(epoch, tuple(ring_addrs), index)
-        left, right = neighbours(ring.n, index)
+        ring = Ring(epoch, n, index, left, right)
         with self._lock:
             self._ring = None
             self._seq = 0
-        self.transport.connect(epoch, index, ring.n, ring.addrs[left], ring.addrs[right], self.connect_timeout_s)
+        self.transport.connect(epoch, index, n, left, right, self.connect_timeout_s)
         with self._lock:
             self._ring = ring
             self._broken = None

@@ -406,7 +406,8 @@ def restart_job(store: Any, root: str, ckpt: Optional[str]) -> dict:
     from lightning_ft.coord import keys
     from lightning_ft.replica.data import latest_gen, read_rewinds, seed_generation
 
-    for prefix in (keys.members(root), keys.evict(root), f"{root}left/", keys.quorum(root), f"{root}eval/"):
+    for prefix in (keys.members(root), keys.alive(root), keys.addrs(root), keys.evict(root), f"{root}left/",
+                   keys.quorum(root), f"{root}eval/"):
         store.delete_prefix(prefix)
     for key in (keys.finished(root), keys.halt(root), keys.config(root)):
         store.delete(key)

@@ -43,8 +43,9 @@ from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, adopt_role, must_abort, steady_next
 from lightning_ft.coord.runs import RunHold, open_run
-from lightning_ft.coord.store import Store, store_from_config
+from lightning_ft.coord.store import Store, StoreError, store_from_config
 from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.ring import neighbours
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.batch_policy import POLICIES, round_batches
@@ -214,6 +215,12 @@ class ReplicaManager:
         self.buckets: Optional[GradBuckets] = None
         self._epoch = -1
         self._rank_addrs: list[str] = []
+        self._peers_epoch = -1
+        """Leader: the ring epoch whose neighbour addresses it last handed to its ranks."""
+        self._ring_peers: tuple[int, Optional[str], Optional[str]] = (-1, None, None)
+        """(epoch, left, right): this rank's ring neighbours' FTAR addresses, from the leader."""
+        self._src_state: tuple[int, Optional[str]] = (-1, None)
+        """(round, address): the state server this rank catches up or adopts from in that round."""
         self._ring_ok = True
         self._blame: tuple[int, ...] = ()
         self._bad_ckpts: set[int] = set()
@@ -419,16 +426,27 @@ class ReplicaManager:
                 msg = (q, self.cursor)
             except Exception as e:  # Evicted, QuorumTimeout, JobHalted, StoreError: every rank must exit
                 msg = e
+        table = self._peer_table(msg[0]) if self.is_leader and isinstance(msg, tuple) else None
+        if isinstance(msg, tuple):
+            msg = (*msg, table is not None)
         msg = self._broadcast(msg)
         if isinstance(msg, Exception):
             raise msg
-        q, self.cursor = msg
+        q, self.cursor, scatter = msg
+        if scatter:  # the ring changed, or we fetch a state: each rank gets its own addresses
+            mine = self._scatter(table)
+            if "left" in mine:
+                self._ring_peers = (q.epoch, mine["left"], mine["right"])
+            if "src" in mine:
+                self._src_state = (q.round, mine["src"])
         self.stats = StepStats(quorum_s=time.perf_counter() - t0, retries=self.stats.retries)
         role = adopt_role(q, self.rid)
         if q.epoch != self._epoch:  # a failed exchange (ring_ok=False) always bumps the epoch
-            ring = [q.addrs[i][self.rank] for i in range(len(q.members))]
             try:
-                self.stats.reconfigure_s = self.ftar.reconfigure(q.epoch, ring, q.index(self.rid))
+                epoch, left, right = self._ring_peers
+                if epoch != q.epoch or left is None or right is None:
+                    raise RecoverableError(None, f"no addresses for the ring of epoch {q.epoch} (a neighbour is gone)")
+                self.stats.reconfigure_s = self.ftar.join(q.epoch, len(q.members), q.index(self.rid), left, right)
                 self._epoch = q.epoch
                 self._ring_ok, self._blame = True, ()
             except FatalError:
@@ -448,6 +466,51 @@ class ReplicaManager:
                         extra=rb.extra_of(self.rid) if rb is not None and role == "train" else ())
         self.last_plan = plan
         return plan
+
+    def _peer_table(self, q: Quorum) -> Optional[list[dict]]:
+        """Leader: what each of our ranks needs of other replicas' addresses for round `q`
+        (None: nothing new). A new ring epoch: the rank's two ring neighbours (its own local
+        rank in their replicas). A round in which we catch up or adopt: the state server each
+        rank fetches from. Read through the coordinator's address book (coord/addresses.py):
+        two replicas' blocks per ring change, not every member's."""
+        role = adopt_role(q, self.rid)
+        ring = q.epoch != self._peers_epoch
+        fetch = role in ("catchup", "adopt")
+        if not ring and not fetch:
+            return None
+        incs = dict(zip(q.members, q.incarnations))
+
+        def of(rid: int) -> Optional[tuple]:
+            if rid == self.rid:
+                return tuple(self._rank_addrs), ()
+            try:
+                return self.coord.addresses(rid, incs[rid])
+            except StoreError as e:  # no addresses: those ranks fail to connect, the round is retried
+                log.warning("replica %d: could not read replica %d's addresses: %s", self.rid, rid, e)
+                return None
+
+        table: list[dict] = [{} for _ in range(self.world)]
+        if ring:
+            i, n = q.index(self.rid), len(q.members)
+            left, right = (of(q.members[j]) for j in neighbours(n, i))
+            for r, entry in enumerate(table):
+                entry["left"] = left[0][r] if left else None
+                entry["right"] = right[0][r] if right else None
+            self._peers_epoch = q.epoch
+        if fetch:
+            sources = {c: of(c) for c in q.contributors}
+            for r, entry in enumerate(table):
+                src = sources[q.contributors[(self.rid + r) % len(q.contributors)]]
+                entry["src"] = src[1][r] if src else None
+        return table
+
+    def _scatter(self, objs: Optional[list]) -> Any:
+        """Rank r's item of the leader's `objs` (all ranks call it; others pass None)."""
+        if self.pg is None and self.world == 1:
+            return objs[0]
+        out = [None]
+        dist.scatter_object_list(out, objs if self.is_leader else None, src=0, group=self.pg)
+        return out[0]
 
     def _report_state(self, digest: Optional[tuple[int, str]] = None) -> dict[str, Any]:
         """Leader: what our full-round report says about our state (Coordinator.quorum's fields).
@@ -488,17 +551,22 @@ class ReplicaManager:
         rank's exchange of every other member now (and ours: the full round rebuilds the ring),
         before we report, instead of letting them wait for our contribution."""
         why = f"replica {self.rid} needs a full round after round {q.round}"
+        # Our ranks abort their links; each ring's other members fail at once on the closed
+        # links and close theirs in turn (FTAR aborts a failed all-reduce's links), so the
+        # failure goes round every ring without us dialling any other replica's ranks.
         self.ftar.abort(why)
-        for rid, addrs in zip(q.members, q.addrs):
-            for rank, addr in enumerate(addrs):
-                if (rid, rank) != (self.rid, self.rank):
-                    threading.Thread(target=self._abort_rank, args=(addr, why, self._epoch), daemon=True).start()
+        for addr in self._rank_addrs[1:]:
+            threading.Thread(target=self._abort_rank, args=(addr, why, self._epoch), daemon=True).start()
 
     def _blamed(self, q: Quorum, e: FTARError) -> tuple[int, ...]:
         """The replica whose FTAR endpoint an error names (for the partition rule)."""
         peer = getattr(e, "peer", None)
-        for rid, addrs in zip(q.members, q.addrs):
-            if peer and self.rank < len(addrs) and addrs[self.rank] == peer and rid != self.rid:
+        epoch, left, right = self._ring_peers
+        if not peer or epoch != q.epoch or self.rid not in q.members:
+            return ()
+        lj, rj = neighbours(len(q.members), q.index(self.rid))
+        for addr, rid in ((left, q.members[lj]), (right, q.members[rj])):
+            if addr == peer and rid != self.rid:
                 return (rid,)
         return ()
 
@@ -683,7 +751,11 @@ class ReplicaManager:
         (nothing written: retry next round) or LOST (partly overwritten)."""
         q = plan.quorum
         src = q.contributors[(self.rid + self.rank) % len(q.contributors)]
-        addr = q.state_addrs[q.index(src)][self.rank]
+        got_round, addr = self._src_state
+        if got_round != q.round or not addr:
+            log.warning("replica %d rank %d: no state-server address of replica %d for round %d (it is gone)",
+                        self.rid, self.rank, src, q.round)
+            return FAILED
         t0 = time.perf_counter()
         deadline = time.monotonic() + deadline_s
         materialize_optimizer_state(self.optimizer)

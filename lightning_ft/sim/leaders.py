@@ -8,10 +8,16 @@ its public API: `Coordinator(...)`, `.register(step, addrs, state_addrs)`, then 
 the replica manager writes before its next report. Leaders are spread over a few
 processes (each with its own etcd clients), as in bench.quorum.
 
+Every message is the coordinator's own: each leader registers W real per-rank addresses
+(`addr_ranks`; published once, in blocks, by coord/addresses.py), reports and adopts
+quorums, and, when the ring epoch changes, reads its two ring neighbours' addresses as a
+replica leader does before it hands each rank its own (`Coordinator.addresses`; timed
+as `resolve_ms` and counted in that round's latency).
+
 Measured per leader and round: the `quorum()` call (report, wait for the round's decision,
 adopt it; it includes waiting for the slowest leader to report), the ledger write, the
-etcd RPCs and watch events each leader's store saw, and the CPU time of the leader
-processes and of etcd. Each leader also records the quorum it adopted, so a caller can check
+etcd RPCs and watch events each leader's store saw, the largest etcd request or response
+(`max_message_bytes`), and the CPU time of the leader processes and of etcd. Each leader also records the quorum it adopted, so a caller can check
 that all leaders agreed on every round (the protocol really ran).
 """
 from __future__ import annotations
@@ -40,6 +46,8 @@ class CountingStore:
         self._lock = threading.Lock()
         self.calls: dict[str, list[float]] = {name: [0, 0.0] for name in RPCS}
         self.events = 0
+        self.max_bytes = 0
+        """The largest request or response payload seen (keys and values; etcd's framing not counted)."""
 
     def __getattr__(self, name: str) -> Any:  # everything not counted (leases, revision, close)
         attr = getattr(self._inner, name)
@@ -48,13 +56,18 @@ class CountingStore:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
+            size = sum(len(a) for a in args if isinstance(a, (str, bytes)))
+            out = None
             try:
-                return attr(*args, **kwargs)
+                out = attr(*args, **kwargs)
+                return out
             finally:
+                size = max(size, _payload(out))
                 with self._lock:
                     c = self.calls[name]
                     c[0] += 1
                     c[1] += (time.perf_counter() - t0) * 1e3
+                    self.max_bytes = max(self.max_bytes, size)
 
         return timed
 
@@ -62,9 +75,18 @@ class CountingStore:
         def counted(ev: Any) -> None:
             with self._lock:
                 self.events += 1
+                self.max_bytes = max(self.max_bytes, len(ev.key) + len(ev.value or b""))
             callback(ev)
 
         return self._inner.watch_prefix(prefix, counted, start_revision)
+
+
+def _payload(out: Any) -> int:
+    """Bytes of keys and values in a store call's result (a KV, (kvs, rev), or nothing)."""
+    if isinstance(out, tuple) and out and isinstance(out[0], list):
+        return sum(_payload(kv) for kv in out[0])
+    key, value = getattr(out, "key", None), getattr(out, "value", None)
+    return (len(key) if isinstance(key, (str, bytes)) else 0) + (len(value) if isinstance(value, bytes) else 0)
 
 
 def rank_addresses(world: int, port: int = 29500) -> tuple[str, ...]:
@@ -85,10 +107,12 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
     c = Coordinator(store, cfg["job"], rid, 0, spec, prefix=PREFIX, lease_ttl_s=cfg["lease_ttl_s"],
                     hang_timeout_s=3600.0, poll_interval_s=cfg["poll_s"])
     root = f"{PREFIX}/{cfg['job']}/"
-    mine: dict[str, Any] = {"lat_ms": [], "ledger_ms": [], "decisions": []}
+    mine: dict[str, Any] = {"lat_ms": [], "ledger_ms": [], "resolve_ms": [], "decisions": []}
     out[rid] = mine
     try:
+        t0 = time.perf_counter()
         c.register(0, rank_addresses(W, 29500), rank_addresses(W, 29600))
+        mine["register_ms"] = (time.perf_counter() - t0) * 1e3
         ready.wait(120)
         step, prev = 0, None
         for i in range(cfg["warmup"] + cfg["rounds"]):
@@ -100,13 +124,17 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
                     mine["ledger_ms"].append((time.perf_counter() - t0) * 1e3)
             t0 = time.perf_counter()
             q = c.quorum(step, timeout_s=cfg["quorum_timeout_s"])
+            if prev is None or q.epoch != prev.epoch:  # a new ring: the neighbours' addresses
+                t1 = time.perf_counter()
+                _resolve_neighbours(c, q, rid, W)
+                mine["resolve_ms"].append((time.perf_counter() - t1) * 1e3)
             dt = (time.perf_counter() - t0) * 1e3
             if i >= cfg["warmup"]:
                 mine["lat_ms"].append(dt)
             mine["decisions"].append([q.round, q.epoch, list(q.members), q.max_step])
             if rid == 0 and i == 0:
                 mine["quorum_json_bytes"] = len(q.to_json())
-                mine["message"] = pickle.dumps((q, 0)).hex()  # what the leader broadcasts to its ranks
+                mine["message"] = pickle.dumps((q, 0, False)).hex()  # what the leader broadcasts to its ranks
             step, prev = q.max_step + 1, q
             time.sleep(cfg["step_s"])  # the shadowed forward, backward and exchange
     except Exception as e:  # reported to the parent, which fails with it
@@ -115,8 +143,23 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
     finally:
         mine["rpc"] = store.calls
         mine["events"] = store.events
+        mine["max_bytes"] = store.max_bytes
+        mine["evaluations"] = c.evaluations
         c.close()
         store.close()
+
+
+def _resolve_neighbours(c: Any, q: Any, rid: int, world: int) -> None:
+    """What a replica leader reads when its ring changes: both neighbours' addresses."""
+    from lightning_ft.ftar.ring import neighbours
+
+    incs = dict(zip(q.members, q.incarnations))
+    for j in set(neighbours(len(q.members), q.index(rid))):
+        peer = q.members[j]
+        if peer != rid:
+            got = c.addresses(peer, incs[peer])
+            if got is None or len(got[0]) != world:
+                raise RuntimeError(f"leader {rid}: replica {peer}'s addresses are missing or short")
 
 
 def _worker(cfg: dict) -> None:
@@ -153,7 +196,14 @@ class LeaderRun:
     wall_s: float
     quorum_json_bytes: int
     message: Any = field(repr=False, default=None)
-    """The object a leader broadcasts to its ranks after a quorum: (Quorum, cursor)."""
+    """The object a leader broadcasts to its ranks after a quorum: (Quorum, cursor, scatter)."""
+    max_message_bytes: int = 0
+    """The largest etcd request, response or watch event any leader saw."""
+    resolve_ms: list[float] = field(default_factory=list)
+    """Reading both ring neighbours' addresses, at each epoch change."""
+    register_ms: list[float] = field(default_factory=list)
+    evaluations: int = 0
+    """Decisions evaluated from etcd, all leaders, all rounds."""
 
     def agreed(self) -> bool:
         """Every leader adopted the same quorum in every round it took part in."""
@@ -175,7 +225,7 @@ def _proc_cpu_s(pid: int) -> Optional[float]:
 
 
 def run_leaders(endpoint: str, replicas: int, rounds: int = 30, warmup: int = 3, step_s: float = 0.2,
-                addr_ranks: int = 1, ledger: bool = True, processes: int = 4, lease_ttl_s: float = 10.0,
+                addr_ranks: int = 8, ledger: bool = True, processes: int = 4, lease_ttl_s: float = 10.0,
                 poll_s: float = 0.02, etcd_pid: Optional[int] = None, timeout_s: float = 600.0) -> LeaderRun:
     """R shadow leaders over `processes` processes against etcd at `endpoint`; see the module
     docstring. `addr_ranks`: how many per-rank FTAR and state addresses each leader
@@ -233,7 +283,11 @@ def run_leaders(endpoint: str, replicas: int, rounds: int = 30, warmup: int = 3,
         leader_cpu_s=sum(r["cpu_s"] for r in results),
         etcd_cpu_s=None if etcd0 is None or etcd1 is None else etcd1 - etcd0,
         wall_s=wall, quorum_json_bytes=first.get("quorum_json_bytes", 0),
-        message=pickle.loads(bytes.fromhex(first["message"])) if "message" in first else None)
+        message=pickle.loads(bytes.fromhex(first["message"])) if "message" in first else None,
+        max_message_bytes=max(d.get("max_bytes", 0) for d in leaders.values()),
+        resolve_ms=[x for d in leaders.values() for x in d["resolve_ms"]],
+        register_ms=[d["register_ms"] for d in leaders.values() if "register_ms" in d],
+        evaluations=sum(d.get("evaluations", 0) for d in leaders.values()))
 
 
 if __name__ == "__main__":

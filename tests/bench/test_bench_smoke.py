@@ -64,7 +64,7 @@ def test_overhead_bench_runs_ft_hsdp_and_ddp_side_by_side():
 def test_scale_bench_quick_prints_the_sweep_and_its_parts():
     rows = run_bench("lightning_ft.bench.scale", "--quick", timeout=300)
     kinds = {r["bench"] for r in rows}
-    assert kinds == {"scale_hop_model", "scale_fanout_check", "scale_cost", "scale", "scale_addrs", "scale_env"}
+    assert kinds == {"scale_hop_model", "scale_fanout_check", "scale_cost", "scale", "scale_shape", "scale_env"}
     hop = next(r for r in rows if r["bench"] == "scale_hop_model")
     assert 0 < hop["hop_p50_ms"] <= hop["hop_p99_ms"] and hop["bytes_per_s"] > 0
     checks = {r["world"]: r for r in rows if r["bench"] == "scale_fanout_check"}
@@ -80,8 +80,12 @@ def test_scale_bench_quick_prints_the_sweep_and_its_parts():
         assert 0 < r["p50_ms"] <= r["p99_ms"] and r["gpus"] == r["replicas"] * r["ranks_per_replica"]
         assert max(r["quorum_p50_ms"], r["fanout_p50_ms"]) <= r["p50_ms"] <= r["quorum_p99_ms"] + r["fanout_p99_ms"]
     assert sweep[(3, 8192)]["fanout_p50_ms"] > 5 * sweep[(3, 2)]["fanout_p50_ms"]  # 13 tree levels against 1
-    (addrs,) = [r for r in rows if r["bench"] == "scale_addrs"]
-    assert addrs["ranks_per_replica"] == 256 and addrs["quorum_json_bytes"] > 3 * 2 * 256 * 15
+    assert all(c["evaluations_per_round"] <= 2.5 and c["max_etcd_message_bytes"] > 0 for c in costs.values())
+    (shape,) = [r for r in rows if r["bench"] == "scale_shape"]
+    assert (shape["replicas"], shape["ranks_per_replica"], shape["agreed"]) == (3, 600, True)
+    # 600 real addresses per leader, in 3 blocks; the quorum itself stays small
+    assert shape["quorum_json_bytes"] < 2000 and 256 * 2 * 15 < shape["max_etcd_message_bytes"] < 64 << 10
+    assert shape["resolve_p50_ms"] > 0 and shape["register_p50_ms"] > 0
 
 
 

@@ -3,6 +3,7 @@ races and an etcd restart. Every wait is bounded; every process is killed by PID
 from __future__ import annotations
 
 import collections
+import json
 import signal
 import threading
 import time
@@ -323,3 +324,93 @@ def test_a_state_made_by_an_older_round_is_decided_stale_with_an_event():
     stale = [f for name, f in events if name == "stale"]
     assert stale == [dict(replica=1, step=4, made=[3, 1], newest=[5, 2], round=0)], events
     a.close(), b.close(), s.close()
+
+
+class _PerLeader:
+    """A leader's view of a shared MemoryStore that counts the watch events it is delivered, by
+    top-level key kind (members, alive, quorum, evict)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.events = collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def watch_prefix(self, prefix, callback, start_revision=0):
+        def counted(ev):
+            self.events[ev.key.split("/")[3]] += 1
+            callback(ev)
+
+        return self._inner.watch_prefix(prefix, counted, start_revision)
+
+
+def test_only_the_decider_receives_the_reports_and_it_evaluates_about_once_a_round():
+    """Work per round is O(R): R leaders x 12 rounds; each report reaches the decider alone, and
+    it reads etcd for the decision once the watched reports could decide it, not per report."""
+    R, rounds = 6, 12
+    s = MemoryStore()
+    spec = JobSpec(R, 1, 5.0, {"job": "j"})
+    views = [_PerLeader(s) for _ in range(R)]
+    cs = [Coordinator(v, "j", rid, 0, spec, lease_ttl_s=5) for rid, v in enumerate(views)]
+    for rid, c in enumerate(cs):
+        c.register(0, addrs=(f"h{rid}:1", f"h{rid}:2"), state_addrs=(f"h{rid}:3", f"h{rid}:4"))
+    seen: dict[int, list] = collections.defaultdict(list)
+    errors = []
+
+    def run(c):
+        try:
+            step = 0
+            for _ in range(rounds):
+                q = c.quorum(step, timeout_s=10)
+                seen[c.rid].append((q.round, q.members))
+                step = q.max_step + 1
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    before = [v.events.copy() for v in views]
+    ts = [threading.Thread(target=run, args=(c,)) for c in cs]
+    [t.start() for t in ts]
+    [t.join(30) for t in ts]
+    assert not errors, errors
+    assert all(seen[r] == seen[0] for r in range(R)) and len(seen[0]) == rounds
+    members_events = [v.events["members"] - b["members"] for v, b in zip(views, before)]
+    # round 0 has no decider yet (everyone may decide it, and watches); from round 1 on only r0
+    assert all(n <= 2 * R for n in members_events[1:]), members_events
+    assert members_events[0] >= R * (rounds - 1), members_events
+    assert cs[0].watching_reports and not any(c.watching_reports for c in cs[1:])
+    assert cs[0].evaluations <= 2 * rounds, cs[0].evaluations
+    total = sum(sum(v.events.values()) - sum(b.values()) for v, b in zip(views, before))
+    assert total <= 4 * R * rounds, total  # O(R) a round: R reports to one leader, one decision to each
+    # the addresses are out of the round's messages, in etcd once per incarnation
+    q = cs[1].current
+    assert b"h0:1" not in q.to_json() and "addrs" not in json.loads(q.to_json())
+    assert cs[1].addresses(0, 0) == (("h0:1", "h0:2"), ("h0:3", "h0:4"))
+    for c in cs:
+        c.close()
+    s.close()
+
+
+def test_a_new_decider_takes_over_the_reports_when_the_old_one_dies():
+    s = MemoryStore()
+    spec = JobSpec(3, 1, 5.0, {"job": "j"})
+    cs = [Coordinator(s, "j", rid, 0, spec, lease_ttl_s=5) for rid in range(3)]
+    for c in cs:
+        c.register(0)
+    out = {}
+
+    def rounds(cs_, step):
+        ts = [threading.Thread(target=lambda c=c: out.__setitem__(c.rid, c.quorum(step, timeout_s=10))) for c in cs_]
+        [t.start() for t in ts]
+        [t.join(15) for t in ts]
+        return [out[c.rid] for c in cs_]
+
+    rounds(cs, 0)
+    assert [c.watching_reports for c in cs] == [True, False, False]
+    cs[0].close()  # a clean exit: its lease is revoked
+    q1, q2 = rounds(cs[1:], 1)
+    assert q1 == q2 and q1.members == (1, 2)
+    assert [c.watching_reports for c in cs[1:]] == [True, False]
+    for c in cs[1:]:
+        c.close()
+    s.close()

@@ -14,7 +14,7 @@ SHRINK = dataclasses.replace(CONSTANT, batch_policy="shrink")
 
 def report(rid, step, cursor, round=1, synced=True, lagging=False):
     return Report(rid=rid, incarnation=0, step=step - (1 if lagging else 0), round=round, fingerprint=FP,
-                  addrs=(f"h:{rid}",), cursor=cursor, synced=synced)
+                  cursor=cursor, synced=synced)
 
 
 def previous(members, step):

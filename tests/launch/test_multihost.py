@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.quorum import Quorum
+from lightning_ft.coord.addresses import decode_blocks
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from tests import netns
@@ -134,6 +134,12 @@ def test_torchrun_and_launcher_replicas_on_two_hosts_restart_catch_up_and_end_id
             # both train together, then SIGKILL rank 1 of replica 0: torchrun restarts the replica
             wait_for(lambda: any(len(x.get("contributors", [])) == 2 and x["step"] >= 6 for x in rows(steps_a)),
                      240, "both replicas training", launchers)
+            # the listeners' addresses, published once per incarnation (gone with the lease at the end)
+            probe = EtcdStore(etcd)
+            try:
+                published = probe.get_prefix(keys.addrs(run_root(probe, job)))[0]
+            finally:
+                probe.close()
             victim = rank_pid(tr.pid, 0, 1)
             assert victim, "torchrun's rank-1 worker not found"
             os.kill(victim, signal.SIGKILL)
@@ -166,12 +172,13 @@ def test_torchrun_and_launcher_replicas_on_two_hosts_restart_catch_up_and_end_id
         try:
             root = run_root(store, job)
             ledger = verify_ledger(store, root, read_cursors(store, root, range(2)))
-            latest = store.get_prefix(keys.quorum(root))[0][-1]
-            q = Quorum.from_json(latest.value)
         finally:
             store.close()
         assert ledger.ok and ledger.steps == steps, (ledger.duplicates, ledger.gaps, ledger.conflicts)
         # no address options were set: every listener advertised its host's routable address
         hosts = {0: ha.ip, 1: hb.ip}
-        for rid, ftar, state in zip(q.members, q.addrs, q.state_addrs):
+        assert sorted(kv.key.split("/")[-3] for kv in published) == ["0", "1"], [kv.key for kv in published]
+        for kv in published:
+            rid = int(kv.key.split("/")[-3])
+            ftar, state = decode_blocks([kv.value], 2)
             assert all(a.startswith(hosts[rid] + ":") for a in (*ftar, *state)), (rid, ftar, state)
