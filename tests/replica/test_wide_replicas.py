@@ -23,7 +23,7 @@ from tests.launch.test_multihost import clean_env, rank_pid, tail
 from tests.procs import alive, children
 from tests.strategy.runs import run_root
 
-R, W, STEPS = 4, 8, 30
+R, W, STEPS = 4, 8, 150
 
 
 def leader_rows(run_dir, rid: int) -> list[tuple[int, dict]]:
@@ -53,7 +53,7 @@ def test_four_replicas_of_eight_ranks_heal_a_killed_rank_and_end_identical(etcd_
     cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(R), "--nproc-per-replica",
            str(W), "--etcd", etcd_endpoint, "--job", job, "--run-dir", run_dir, "--no-status", "--timeout", "780",
            "--max-restarts", "3", LOOP, "--steps", str(STEPS), "--dim", "16", "--hidden", "32", "--batch", "16",
-           "--ttl", "3", "--init-timeout", "240", "--ftar-timeout", "20", "--step-sleep", "0.05",
+           "--ttl", "3", "--init-timeout", "240", "--ftar-timeout", "20", "--step-sleep", "0.3",
            "failure.restart_delay_s=0.2", "quorum.init_timeout_s=240"]
     launcher = subprocess.Popen(cmd, env=clean_env(LFT_SECRET_FILE=str(secret)), stdout=open(tmp_path / "l.log", "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
