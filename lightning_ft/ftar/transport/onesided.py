@@ -241,7 +241,14 @@ class OneSidedRx(RxLink):
             self.win.release(slot)
         except ProtocolError as e:
             raise _protocol(self.peer, e) from None
-        self._credit(slot, imm)
+        try:
+            self._credit(slot, imm)
+        except RecoverableError as e:
+            # The chunk is ours already; only the link's future is lost. A sender that got
+            # its last credit's worth finishes and may close before we return this one (the
+            # last chunk of an all-reduce): failing here would fail a completed all-reduce.
+            # Any later recv on this link raises the loss.
+            self.win.peer_lost(str(e))
 
     def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
         dest.view(torch.uint8).copy_(self.recv(want, timeout_s)[:want.nbytes])

@@ -216,3 +216,37 @@ def test_random_interleavings_deliver_every_chunk_once_in_order_without_overrun(
     for slot in credits:
         tx.credit(epoch, slot)
     assert tx.idle() and tx.sent(total) and rx.state == [FREE] * num_slots
+
+
+def test_a_credit_the_closed_sender_cannot_take_does_not_fail_the_chunk_already_received():
+    """The last chunk of an all-reduce: the sender, done, may close its link before the
+    receiver returns that chunk's credit (CI: BrokenPipe in `release` failed a completed
+    shm all-reduce). The received chunk stands; the next receive on the link raises."""
+    import socket
+
+    import torch
+
+    from lightning_ft.ftar.transport.base import HEADER_SIZE, ChunkHeader, RecoverableError
+    from lightning_ft.ftar.transport.onesided import OneSidedRx, imm_of
+
+    ours, theirs = socket.socketpair()
+    payload = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    headers = [memoryview(bytearray(HEADER_SIZE)) for _ in range(2)]
+
+    def mismatch(got, want):
+        raise AssertionError(f"mismatch {got} != {want}")
+
+    rx = OneSidedRx(ours, "peer", 1, payload, headers, mismatch)
+    try:
+        want = ChunkHeader(1, 0, 1, 0, 0, 0, 0, 0, 64, 16)
+        headers[0][:HEADER_SIZE] = want.pack()
+        payload[0].fill_(7)
+        assert rx.win.landed(0, imm_of(want))
+        assert rx.recv(want, 1.0)[0] == 7
+        theirs.close()  # the sender finished and went away
+        rx.release(want)  # must not raise: the chunk was taken
+        nxt = ChunkHeader(1, 0, 1, 0, 0, 1, 0, 0, 64, 16)
+        with pytest.raises(RecoverableError):
+            rx.recv(nxt, 1.0)
+    finally:
+        rx.close()
