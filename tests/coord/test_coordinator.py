@@ -163,26 +163,35 @@ def test_racing_leaders_never_produce_two_quorums_for_one_round(etcd_endpoint):
     spec = JobSpec(5, 1, 0.2, {"job": job})
     got: dict[int, dict[int, tuple]] = collections.defaultdict(dict)
     errors: list[BaseException] = []
+    joiner_done = threading.Event()
 
-    def run(rid, rounds, delay_s=0.0):
+    def run(rid, rounds, delay_s=0.0, until=None, done=None):
         try:
             time.sleep(delay_s)
             store = EtcdStore(etcd_endpoint)
             c = Coordinator(store, job, rid, 0, spec, lease_ttl_s=1.0, poll_interval_s=0.01)
             c.register(0)
             step = 0
-            for _ in range(rounds):
+            n = 0
+            # the long-lived leaders also outlast the joiner (a loaded machine can finish their
+            # 40 rounds before it is through: alone, it holds no usable state and waits forever)
+            while n < rounds or (until is not None and not until.is_set() and n < 20 * rounds):
                 q = c.quorum(step, timeout_s=20)
                 got[q.round][rid] = (q.epoch, q.members, q.contributors, q.lagging)
                 step = q.max_step + 1
+                n += 1
+            if done is not None:
+                done.set()
             c.close()
             store.close()
         except BaseException as e:  # surfaced below
             errors.append(e)
+            if done is not None:
+                done.set()
 
-    ts = [threading.Thread(target=run, args=(r, 40)) for r in range(3)]
+    ts = [threading.Thread(target=run, args=(r, 40, 0.0, joiner_done)) for r in range(3)]
     ts.append(threading.Thread(target=run, args=(3, 10)))       # leaves early
-    ts.append(threading.Thread(target=run, args=(4, 15, 0.5)))  # joins late
+    ts.append(threading.Thread(target=run, args=(4, 15, 0.5, None, joiner_done)))  # joins late
     [t.start() for t in ts]
     [t.join(60) for t in ts]
     assert not errors, errors
