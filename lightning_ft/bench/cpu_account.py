@@ -4,9 +4,11 @@ Wall time on a shared machine swings by 2x; CPU time barely moves with load. `Ac
 samples `/proc/PID/task/TID/stat` (utime + stime) of every process under a root PID (the
 launcher or Lightning's DDP main process, and everything it started) a few times a second
 and keeps each thread's largest reading. A thread's last fraction of a sample interval
-before it exits is missed; `per_step` differences a short and a long run of the same job,
-so start-up, teardown and that error cancel, and what is left is the CPU of the extra
-steps.
+before it exits is missed. `per_step` differences two snapshots taken inside one run, when
+the job reached its first and its last measured step (bench.overhead's step marks), so
+start-up and teardown stay outside the window and what is left is the CPU of the steady-state
+steps. (It used to difference a short and a long run; at smoke-test sizes the runs' start-up
+noise exceeded the steps' CPU and the account came out negative.)
 
 Each thread is counted under its process's role and its own class:
 - roles: `etcd` (the etcd binary), `launcher` (`lightning-ft run`), `worker` (anything else:
@@ -89,6 +91,7 @@ class Account:
         self._threads: dict[tuple[int, int, str], tuple[str, str, int]] = {}
         """(pid, tid, start time) -> (role, class, largest utime + stime seen, in ticks)."""
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="cpu-account", daemon=True)
 
     def start(self) -> "Account":
@@ -107,7 +110,16 @@ class Account:
             self._stop.wait(self.interval_s)
         self.sample()
 
+    def snapshot(self) -> dict:
+        """Sample now, then the totals so far (see `totals`)."""
+        self.sample()
+        return self.totals()
+
     def sample(self) -> None:
+        with self._lock:
+            self._sample()
+
+    def _sample(self) -> None:
         kids = _children()
         todo, seen = [self.root_pid], set()
         while todo:
@@ -147,7 +159,9 @@ class Account:
         """{"total": s, "by_role": {role: s}, "by_thread": {"role/class": s}} in CPU seconds."""
         by_role: dict[str, float] = {}
         by_thread: dict[str, float] = {}
-        for role, cls, ticks in self._threads.values():
+        with self._lock:
+            threads = list(self._threads.values())
+        for role, cls, ticks in threads:
             s = ticks * TICK_S
             by_role[role] = by_role.get(role, 0.0) + s
             by_thread[f"{role}/{cls}"] = by_thread.get(f"{role}/{cls}", 0.0) + s
@@ -155,7 +169,7 @@ class Account:
 
 
 def per_step(short: dict, long: dict, extra_steps: int) -> dict:
-    """Milliseconds of CPU per step: (long run - short run) / the steps between them."""
+    """Milliseconds of CPU per step: (later totals - earlier totals) / the steps between them."""
     def diff(a: dict, b: dict) -> dict:
         return {k: round((b.get(k, 0.0) - a.get(k, 0.0)) * 1e3 / extra_steps, 3) for k in sorted(set(a) | set(b))}
 

@@ -1,8 +1,7 @@
 """Steady-state step time and CPU of ft_hsdp against Lightning's own DDP (targets: ratio and
 cpu_ratio <= 1.03).
 
-    python -m lightning_ft.bench.overhead [--procs 2] [--steps 240] [--short-steps 40] [--rounds 6]
-                                          [--width 1024] [--single]
+    python -m lightning_ft.bench.overhead [--procs 2] [--steps 240] [--rounds 6] [--width 1024] [--single]
 
 Same LightningModule, same data, same number of processes, one torch thread each
 (OMP_NUM_THREADS=1 for both, since Lightning's launcher would otherwise change the thread
@@ -15,9 +14,10 @@ gap between consecutive `on_train_batch_end` of rank 0 after `--warmup` steps.
 
 The CPU account (bench/cpu_account.py): every thread of every process of each job (the
 launcher, etcd and the workers for ft_hsdp; Lightning's launcher process and its ranks for
-DDP) is sampled from /proc while it runs. Each round runs each job twice, `--short-steps`
-and `--steps` steps, and differences them, so start-up and teardown cancel: what is left is
-the CPU of the extra steady-state steps, per step, by process role and by thread. CPU time
+DDP) is sampled from /proc while it runs, and snapshotted when the job's rank 0 reaches the
+end of step `--warmup` and of its last step (each writes a mark file the bench watches for):
+the difference is the CPU of the steady-state steps between, per step, by process role and by
+thread; start-up and teardown stay outside. CPU time
 barely moves with the machine's load, so `cpu_ratio` (the whole job's CPU per step, ft_hsdp
 / DDP) is the figure noise cannot hide. Prints, per round and then the medians:
 
@@ -34,9 +34,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.abspath(__file__)
+MARKS_ENV = "OVERHEAD_MARKS"
+"""The directory where a worker's rank 0 marks the start and the end of the measured steps."""
+
+
+def _mark(path: str) -> None:
+    """Create `path` once (every replica's rank 0 marks; the first one wins)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        pass
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -48,6 +59,7 @@ def worker(a: argparse.Namespace) -> int:
     import lightning.pytorch as L
 
     torch.set_num_threads(1)
+    marks = os.environ.get(MARKS_ENV)
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
@@ -64,6 +76,8 @@ def worker(a: argparse.Namespace) -> int:
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             self.times.append(time.perf_counter())
+            if marks and self.global_rank == 0 and len(self.times) in (a.warmup, a.steps):
+                _mark(os.path.join(marks, "end" if len(self.times) == a.steps else "start"))
 
         def on_train_end(self):
             if self.global_rank == 0:
@@ -103,25 +117,43 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], timeout: float, what: str) -> tuple[str, dict]:
-    """Run a job, accounting the CPU of every thread of its process tree; (stdout, totals)."""
-    from lightning_ft.bench.cpu_account import Account
+def _run(cmd: list[str], timeout: float, what: str, steps: int) -> tuple[str, dict]:
+    """Run a job, accounting the CPU of every thread of its process tree between its start and
+    end marks; (stdout, CPU ms per measured step)."""
+    from lightning_ft.bench.cpu_account import Account, per_step
 
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=_env())
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory(prefix="lft-marks-") as marks:
+        env = _env()
+        env[MARKS_ENV] = marks
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
         acc = Account(proc.pid).start()
+        snaps: dict[str, dict] = {}
+
+        def watch() -> None:  # snapshot as soon as a mark appears
+            for name in ("start", "end"):
+                while not os.path.exists(os.path.join(marks, name)):
+                    if proc.poll() is not None:
+                        return
+                    time.sleep(0.005)
+                snaps[name] = acc.snapshot()
+
+        watcher = threading.Thread(target=watch, name="overhead-marks", daemon=True)
+        watcher.start()
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             rc = -9
-        totals = acc.stop()
+        watcher.join(5)
+        acc.stop()
         out.seek(0)
         text = out.read()
     if rc != 0:
         raise RuntimeError(f"{what} run failed ({rc}):\n{text[-4000:]}")
-    return text, totals
+    if set(snaps) != {"start", "end"}:
+        raise RuntimeError(f"{what} run: its rank 0 marked {sorted(snaps)} of start and end:\n{text[-2000:]}")
+    return text, per_step(snaps["start"], snaps["end"], steps)
 
 
 def run_ft(a: argparse.Namespace, args: list[str], procs: int) -> tuple[float, dict]:
@@ -129,13 +161,13 @@ def run_ft(a: argparse.Namespace, args: list[str], procs: int) -> tuple[float, d
         cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(procs),
                "--nproc-per-replica", "1", "--run-dir", d, "--no-status", "--timeout", str(a.timeout), HERE, *args,
                *a.set]
-        _, totals = _run(cmd, a.timeout + 60, "ft_hsdp")
-        return _step_s(open(os.path.join(d, "logs", "r0.i0.rank0.log")).read()), totals
+        _, acc = _run(cmd, a.timeout + 60, "ft_hsdp", a.steps - a.warmup)
+        return _step_s(open(os.path.join(d, "logs", "r0.i0.rank0.log")).read()), acc
 
 
 def run_ddp(a: argparse.Namespace, args: list[str]) -> tuple[float, dict]:
-    out, totals = _run([sys.executable, HERE, *args, "--ddp"], a.timeout + 60, "DDP")
-    return _step_s(out), totals
+    out, acc = _run([sys.executable, HERE, *args, "--ddp"], a.timeout + 60, "DDP", a.steps - a.warmup)
+    return _step_s(out), acc
 
 
 def _spread(xs: list[float]) -> list[float]:
@@ -153,13 +185,10 @@ def _median_account(accounts: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_ft.bench.cpu_account import per_step
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--procs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=240, help="steps of the long run (its step times are the wall figure)")
-    p.add_argument("--short-steps", type=int, default=40, help="steps of the short run the CPU account subtracts")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=240, help="steps of each run")
+    p.add_argument("--warmup", type=int, default=10, help="steps before the measured ones (wall time and CPU)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--single", action="store_true", help="also 1 replica vs single-process Lightning")
     p.add_argument("--width", type=int, default=1024)
@@ -175,15 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         return worker(a)
-    if a.short_steps >= a.steps or a.short_steps <= a.warmup + 1:
-        p.error(f"--short-steps must lie between --warmup + 1 ({a.warmup + 1}) and --steps ({a.steps})")
+    if a.steps < a.warmup + 2:
+        p.error(f"--steps must be at least --warmup + 2 ({a.warmup + 2})")
 
     def args_for(procs: int, steps: int) -> list[str]:
         return ["--worker", "--procs", str(procs), "--steps", str(steps), "--warmup", str(a.warmup), "--width",
                 str(a.width), "--depth", str(a.depth), "--batch", str(a.batch)] + (
                     ["--no-overlap"] if a.no_overlap else [])
 
-    extra = a.steps - a.short_steps
     params = a.depth * (a.width * a.width + a.width) + a.width + 1
     for procs, peer, bench in [(a.procs, "ddp", "overhead")] + ([(1, "lightning", "overhead_single")] if a.single else []):
         step_s: dict[str, list[float]] = {"ft": [], peer: []}
@@ -194,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("ft",) if a.only_ft else (("ft", peer) if r % 2 == 0 else (peer, "ft")):
                 run = (lambda steps: run_ft(a, args_for(procs, steps), procs)) if name == "ft" else \
                     (lambda steps: run_ddp(a, args_for(procs, steps)))
-                _, short = run(a.short_steps)
-                wall, long = run(a.steps)
-                acc = per_step(short, long, extra)
+                wall, acc = run(a.steps)
                 got[name] = (wall, acc)
                 step_s[name].append(wall)
                 accounts[name].append(acc)
@@ -207,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(got["ft"][0] / got[peer][0])
             cpu_ratios.append(got["ft"][1]["total"] / got[peer][1]["total"])
         if a.only_ft:
-            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "steps": a.steps, "short_steps": a.short_steps,
+            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "steps": a.steps, "warmup": a.warmup,
                               "set": a.set, "ft_step_s": round(statistics.median(step_s["ft"]), 5),
                               "cpu_ms": _median_account(accounts["ft"]), "loadavg": os.getloadavg()[0]}), flush=True)
             continue
         ft_s, ref_s = statistics.median(step_s["ft"]), statistics.median(step_s[peer])
         print(json.dumps({"bench": bench, "procs": procs, "params": params, "batch_per_proc": a.batch,
-                          "steps": a.steps, "short_steps": a.short_steps, "rounds": a.rounds,
+                          "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
                           "ft_step_s": round(ft_s, 5), f"{peer}_step_s": round(ref_s, 5),
                           "ratio": round(statistics.median(ratios), 4), "ratios": [round(x, 4) for x in ratios],
                           "ratio_spread": _spread(ratios), "overhead_ms": round((ft_s - ref_s) * 1e3, 2),
