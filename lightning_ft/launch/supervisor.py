@@ -560,6 +560,7 @@ class Supervisor:
                 self._event(rep, "exit", rank=rank, code=0, pid=rep.procs[rank].pid)
         if all(code == 0 for code in codes):
             rep.state = "done"
+            rep.step = self._committed_step(rep)
             return
         if any(code == 0 for code in codes):
             running = [rank for rank, code in enumerate(codes) if code is None]
@@ -814,6 +815,27 @@ class Supervisor:
             return False
         others = {rid: r for rid, r in reports.items() if rid != rep.rid}
         return not others or self._job_step(reports) >= rep.restart_step
+
+    def _committed_step(self, rep: _Replica) -> Optional[int]:
+        """The steps a replica that exited cleanly committed: its `final.json` (strategy/runlog.py)
+        when this incarnation wrote it, else the last step it reported. Member reports are written
+        in full rounds only (steady rounds touch no etcd), so they lag by up to
+        `consistency.every_n_steps`: a job of 400 steps ended with "step 390" on every replica."""
+        path = os.path.join(self.run_dir, f"replica_{rep.rid}", "final.json")
+        started = time.time() - (time.monotonic() - rep.started_at)
+        try:
+            if os.stat(path).st_mtime < started - 1.0:
+                return rep.step  # an earlier run's, in a reused run directory
+            with open(path) as f:
+                final = json.load(f)
+        except (OSError, ValueError):
+            return rep.step
+        if not isinstance(final, dict) or final.get("incarnation") != rep.incarnation:
+            return rep.step
+        step = final.get("step")
+        if not isinstance(step, int):
+            return rep.step
+        return step
 
     # -- etcd reads -------------------------------------------------------------------------------
     def _member_reports(self) -> Optional[dict[int, dict[str, Any]]]:
