@@ -30,6 +30,13 @@ from dataclasses import dataclass
 from typing import Mapping
 
 REQUIRED = ("LFT_JOB", "LFT_REPLICA_ID", "LFT_NUM_REPLICAS", "LFT_ETCD")
+SELF_LAUNCH_ENV = "LFT_SELF_LAUNCH"
+"""Set by a self-launching program (strategy/self_launch.py) for `lightning-ft run` and its
+replicas: a process that sees it is never the one the user started."""
+LAUNCHER_VARIABLES = (*REQUIRED, "LFT_INCARNATION", "LFT_RUN_DIR", SELF_LAUNCH_ENV, "TORCHELASTIC_RUN_ID",
+                      "SLURM_PROCID", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+"""Variables some launcher sets (ours, torchrun, srun, Lightning's own launchers). A process
+with none of them was started by the user (`python train.py`) and may launch the job itself."""
 
 
 class LaunchEnvError(RuntimeError):
@@ -109,6 +116,12 @@ def replica_env(env: Mapping[str, str]) -> ReplicaEnv:
                       rank=rank, local_rank=local, world_size=world, master_addr=addr, master_port=port,
                       run_dir=env.get("LFT_RUN_DIR", ""), run_id=run_id, config=env.get("LFT_CONFIG", ""),
                       launcher=launcher)
+
+
+def launcher_variables(env: Mapping[str, str]) -> list[str]:
+    """The LAUNCHER_VARIABLES set in `env`, in that order; [] means nothing launched this
+    process: `python train.py` run by the user, which self-launches the job."""
+    return [name for name in LAUNCHER_VARIABLES if env.get(name)]
 
 
 def init_torchrun_group(env: ReplicaEnv, backend: str, timeout_s: float = 1800.0) -> None:

@@ -49,13 +49,18 @@ class FTHSDPError(RuntimeError):
 
 
 def _replica_env() -> Any:
-    """Who this process is (launch/environment.py), or FTHSDPError saying how to launch."""
-    from lightning_ft.launch.environment import LaunchEnvError, replica_env
+    """Who this process is (launch/environment.py); None when no launcher started it (the
+    program self-launches, strategy/self_launch.py); else FTHSDPError saying how to launch."""
+    from lightning_ft.launch.environment import LaunchEnvError, launcher_variables, replica_env
 
     try:
         return replica_env(os.environ)
     except LaunchEnvError as e:
-        raise FTHSDPError(f"strategy='ft_hsdp': {e}") from None
+        seen = launcher_variables(os.environ)
+        if not seen:
+            return None
+        raise FTHSDPError(f"strategy='ft_hsdp': {e} (a launcher started this process: {', '.join(seen)} "
+                          f"set, so it does not launch the job itself)") from None
 
 
 class FTHSDPStrategy(ModelParallelStrategy):
@@ -71,21 +76,32 @@ class FTHSDPStrategy(ModelParallelStrategy):
         data_seed: seed of the exactly-once data order (default: config `seed`).
         overlap: run each step's quorum during forward/backward and all-reduce gradient buckets
             from post-accumulate-grad hooks as backward produces them (default True).
+        replicas: R (overrides config `replicas`).
+
+    Started without launcher variables (`python train.py`), the program launches its job by
+    itself: R replicas of W = `Trainer(devices=...)` processes under `lightning-ft run`, which
+    this process becomes (strategy/self_launch.py).
     """
 
     strategy_name = "ft_hsdp"
 
     def __init__(self, config: Optional[str] = None, overrides: Sequence[str] = (),
                  shard_layers: Optional[Sequence[Union[type, str]]] = None, lr_intervention: Optional[str] = None,
-                 data_seed: Optional[int] = None, overlap: bool = True, **kwargs: Any) -> None:
+                 data_seed: Optional[int] = None, overlap: bool = True, replicas: Optional[int] = None,
+                 **kwargs: Any) -> None:
         from lightning_ft.strategy.environment import ReplicaEnvironment
 
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+            raise FTHSDPError(f"FTHSDPStrategy(replicas={replicas!r}): R must be an integer >= 1")
         self._renv = _replica_env()  # fail at Trainer(...) with how to launch, not deep inside fit()
         super().__init__(**kwargs)
-        self.cluster_environment = ReplicaEnvironment(self._renv)
+        if self._renv is not None:
+            self.cluster_environment = ReplicaEnvironment(self._renv)
         self._secret = ""
         self._config_path = config
         self._overrides = list(overrides)
+        if replicas is not None:
+            self._overrides.append(f"replicas={replicas}")  # last: it wins over the config, here and in replicas
         self.shard_layers = list(shard_layers) if shard_layers is not None else None
         self.lr_intervention = lr_intervention
         self._data_seed = data_seed
@@ -131,12 +147,59 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        if self._renv is None:  # self-launch: W comes from Trainer(devices=...)
+            self._ft_devices = list(devices) if devices else None
+            return
         # The replica's size comes from the launcher (WORLD_SIZE), not from Trainer(devices=...).
         world = self._renv.world_size
         if devices and devices[0].type == "cuda":
             self._ft_devices = [torch.device("cuda", i % max(1, torch.cuda.device_count())) for i in range(world)]
         else:
             self._ft_devices = [torch.device("cpu")] * world
+
+    @property
+    def self_launching(self) -> bool:
+        """No launcher started this process: the first Trainer entry point launches the job."""
+        return self._renv is None
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._renv is None:
+            self._launcher = self._self_launcher()
+        else:
+            super()._configure_launcher()
+
+    def _self_launcher(self) -> Any:
+        """strategy/self_launch.py; built at Trainer(...) so that what cannot self-launch fails there."""
+        import __main__
+
+        from lightning_ft.config import ConfigError
+        from lightning_ft.strategy.self_launch import (SelfLauncher, SelfLaunchError, original_cwd, run_command,
+                                                       script_argv, world_from_devices)
+
+        if self.num_nodes > 1:
+            raise FTHSDPError(f"strategy='ft_hsdp' self-launch runs on one machine, but Trainer(num_nodes="
+                              f"{self.num_nodes}): start one `lightning-ft run --etcd HOST:PORT --replica-ids ...` "
+                              f"per node, or torchrun/srun with `lightning-ft env` (README: Multi-node)")
+        cwd = original_cwd()
+        spec = getattr(__main__, "__spec__", None)
+        try:
+            script = script_argv(sys.argv, spec.name if spec is not None else None, cwd)
+            cfg = self.load_ft_config()
+        except (SelfLaunchError, ConfigError) as e:
+            raise FTHSDPError(str(e)) from None
+        nproc = world_from_devices(self.parallel_devices)
+        config = self._config_path or os.environ.get("LFT_CONFIG") or None
+        command = run_command(sys.executable, script, nproc=nproc,
+                              config=os.path.join(cwd, config) if config else None, overrides=self._overrides)
+        run_dir = os.path.join(cwd, cfg.run_dir)
+
+        def banner() -> str:
+            return (f"lightning-ft: no launcher variables, so this process launches the job: {cfg.replicas} replicas "
+                    f"x {nproc} processes of {os.path.basename(script[0])} under `lightning-ft run`, run dir "
+                    f"{run_dir}; it supervises and does not train (Ctrl-C stops the job)")
+
+        return SelfLauncher(command, cwd, banner)
 
     def load_ft_config(self) -> FTConfig:
         from lightning_ft.hydra import strategy_config  # LFT_CONFIG, a Hydra app's `ft:` node, overrides

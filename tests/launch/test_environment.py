@@ -162,3 +162,18 @@ def test_lightning_ft_env_refuses_bad_input(tmp_path):
     assert r.returncode == 2 and "8 characters" in r.stderr and "tooshort" not in r.stderr
     r = _env_cmd(tmp_path, "--replica-id", "0", "--replicas", "2", "--etcd", "h:1", "ftar.chunk_mbb=1")
     assert r.returncode == 2 and "ftar.chunk_mbb" in r.stderr
+
+
+@pytest.mark.parametrize("env,seen", [
+    ({}, []),
+    ({"LFT_CONFIG": "job.yaml", "LFT_SECRET_FILE": "/s", "MASTER_PORT": "1"}, []),  # user settings, no launcher
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["RANK", "WORLD_SIZE"]),
+    ({**OURS}, ["LFT_JOB", "LFT_REPLICA_ID", "LFT_NUM_REPLICAS", "LFT_ETCD"]),
+    ({"TORCHELASTIC_RUN_ID": "x"}, ["TORCHELASTIC_RUN_ID"]),
+    ({"SLURM_PROCID": "0"}, ["SLURM_PROCID"]),
+    ({"LFT_SELF_LAUNCH": "1"}, ["LFT_SELF_LAUNCH"]),  # a self-launched job's process never launches again
+])
+def test_launcher_variables_tell_a_user_started_process_from_a_launched_one(env, seen):
+    from lightning_ft.launch.environment import launcher_variables
+
+    assert launcher_variables(env) == seen

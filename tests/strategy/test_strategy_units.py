@@ -96,12 +96,25 @@ def test_import_registers_ft_hsdp_without_importing_lightning():
     assert r.stdout.strip() == "FTHSDPStrategy"
 
 
-def test_without_the_launcher_environment_the_error_says_how_to_launch(tmp_path):
+def _trainer_without_launcher(tmp_path, extra_env: dict) -> subprocess.CompletedProcess:
     code = ("import lightning_ft, lightning.pytorch as L\n"
             "L.Trainer(strategy='ft_hsdp', accelerator='cpu', max_steps=1, logger=False)\n")
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LFT_")}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                       env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**env, **extra_env})
+
+
+def test_without_launcher_variables_a_program_that_is_no_script_file_is_told_how_to_launch(tmp_path):
+    r = _trainer_without_launcher(tmp_path, {})  # python -c: self-launch has no script to start again
+    assert r.returncode != 0
+    assert "self-launch starts the program's script file again" in r.stderr, r.stderr[-2000:]
+    assert "has none (python -c, stdin or an interactive session)" in r.stderr
+    assert "lightning-ft run --replicas R --nproc-per-replica W train.py" in r.stderr
+
+
+def test_a_partial_launcher_environment_is_an_error_not_a_self_launch(tmp_path):
+    r = _trainer_without_launcher(tmp_path, {"RANK": "1", "WORLD_SIZE": "2"})
     assert r.returncode != 0
     assert "lightning-ft run --replicas R" in r.stderr and "lightning-ft env --replica-id R" in r.stderr
     assert "LFT_JOB, LFT_REPLICA_ID, LFT_NUM_REPLICAS, LFT_ETCD not set" in r.stderr
+    assert "a launcher started this process: RANK, WORLD_SIZE set" in r.stderr, r.stderr[-2000:]
