@@ -1,7 +1,11 @@
 """A small GPT trained byte-level on the Python standard library's source, with ft_hsdp.
 
 Plain Lightning code: the only lines that are about fault tolerance are `import lightning_ft`
-and `strategy="ft_hsdp"`. Launch it with
+and `strategy="ft_hsdp"`. Run it as
+
+    python examples/train_lm.py --steps 200
+
+which launches the job itself (3 replicas, the config's default, of 1 process each), or with
 
     lightning-ft run --replicas 3 --nproc-per-replica 1 examples/train_lm.py --steps 200
 
