@@ -55,6 +55,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ftar-timeout", type=float, default=5.0)
     p.add_argument("--init-timeout", type=float, default=10.0)
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="FTAR chunk size (every replica: the same)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job config override (repeatable), e.g. --set stragglers.policy=exclude")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--replicas", type=int, default=0, help="reference mode: number of slots")
     p.add_argument("--world", type=int, default=1, help="reference mode: ranks per replica")
@@ -156,7 +158,7 @@ def main(argv: list[str]) -> int:
 
     env = os.environ
     renv = replica_env(env)  # lightning-ft run, torchrun or srun (launch/environment.py)
-    cfg = load_config(renv.config or None)
+    cfg = load_config(renv.config or None, a.set)
     rid, R, inc, rank, world = renv.replica_id, renv.num_replicas, renv.incarnation, renv.rank, renv.world_size
     torch.set_num_threads(1)
     # Slow init first (DESIGN §6): model, data, process group; register only afterwards.
@@ -187,7 +189,7 @@ def main(argv: list[str]) -> int:
                          ftar_connect_timeout_s=cfg.ftar.connect_timeout_s,
                          lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4, digest_every=a.digest_every,
                          run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
-                         advertise_host=cfg.network.advertise_host)
+                         advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers)
     mgr.start()
     schedule = parse_failures(a.failures, R)
     if renv.config:  # launched by `lightning-ft run`: failures come from the job config

@@ -157,6 +157,23 @@ class ConsistencyConfig:
 
 
 @dataclass
+class StragglersConfig:
+    """Slow replicas (docs/ARCHITECTURE.md, "Stragglers"; coord/stragglers.py). Every replica of
+    a job must use the same values (the round's decider applies its own)."""
+
+    policy: str = "wait"
+    """"wait": the job runs at the straggler's pace (the `straggler` event says so).
+    "exclude": a straggler sits out a probation of rounds (doubling while it stays slow), then
+    rejoins by catch-up and is measured again; its slot's batches wait."""
+    threshold: float = 1.3
+    """A replica whose compute time (data, forward, backward: up to ready-to-exchange) is this
+    many times the median of the others' is a straggler; 0 = no detection."""
+    window: int = 10
+    """Compute time is the mean over a replica's last this-many cleanly trained steps; a
+    replica is judged only once it has that many since it (re)joined."""
+
+
+@dataclass
 class SupervisorConfig:
     """What `lightning-ft run` does with failed replicas."""
 
@@ -279,6 +296,8 @@ class FTConfig:
     """Failure injection."""
     data: DataConfig = field(default_factory=DataConfig)
     """The train data stream."""
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    """Slow replicas: detection and policy."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,6 +395,7 @@ def fingerprint(cfg: Any) -> dict[str, Any]:
         "digest_every": int(cfg.consistency.every_n_steps),
         "checkpoint_every": int(cfg.checkpoint.every_n_steps),
         "batch_policy": str(cfg.batch_policy),
+        "stragglers": f"{cfg.stragglers.policy} {float(cfg.stragglers.threshold)} {int(cfg.stragglers.window)}",
     }
 
 
@@ -419,6 +439,12 @@ def validate(cfg: Any) -> None:
         bad("min_replicas", cfg.min_replicas, f"must be between 1 and replicas ({cfg.replicas})")
     choice("lr_intervention", cfg.lr_intervention, LR_INTERVENTIONS)
     choice("batch_policy", cfg.batch_policy, BATCH_POLICIES)
+    from lightning_ft.coord.stragglers import POLICIES as STRAGGLER_POLICIES
+
+    choice("stragglers.policy", cfg.stragglers.policy, STRAGGLER_POLICIES)
+    if cfg.stragglers.threshold != 0:
+        at_least("stragglers.threshold", cfg.stragglers.threshold, 1.0, strict=True)
+    at_least("stragglers.window", cfg.stragglers.window, 1)
     if not cfg.run_dir:
         bad("run_dir", cfg.run_dir, "must be a directory path")
     at_least("seed", cfg.seed, 0)

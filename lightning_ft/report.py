@@ -185,6 +185,9 @@ def summarize(data: RunData) -> dict:
         "loss_first": round(statistics.fmean(losses[:10]), 4) if losses else None,
         "loss_last": round(statistics.fmean(losses[-10:]), 4) if losses else None,
         "val_bpb": val,
+        "stragglers": [{"replica": e.get("replica"), "step": e.get("step"), "ratio": e.get("ratio"),
+                        "window": e.get("window"), "policy": e.get("policy"),
+                        "until_round": e.get("until_round")} for e in data.events if e["event"] == "straggler"],
     }
 
 
@@ -295,6 +298,17 @@ def markdown(summary: dict) -> str:
         for r in rewinds:
             lines.append(f"| {r['from']} | {r['to']} | {r['checkpoint'] or 'a surviving replica or step 0'} | "
                          f"{r['lost_steps']} |")
+    else:
+        lines.append("none")
+    slow = summary.get("stragglers") or []
+    lines += ["", "## Stragglers", ""]
+    if slow:
+        lines += ["A replica whose compute per step (mean over its last `window` steps) was `ratio` times the",
+                  "median of the others' (coord/stragglers.py). Under `exclude` it sat out until `until round`.", "",
+                  "| replica | at step | ratio | window | policy | until round |", "|---|---|---|---|---|---|"]
+        for e in slow:
+            lines.append(f"| {e['replica']} | {e['step']} | {e['ratio']} | {e['window']} | {e['policy']} | "
+                         f"{e['until_round'] if e['until_round'] is not None else '-'} |")
     else:
         lines.append("none")
     return "\n".join(lines) + "\n"

@@ -125,6 +125,8 @@ class Coordinator:
         self._evicted: set[tuple[int, int]] = set()
         """Every eviction the evict/ watch delivered."""
         self.evaluations = 0
+        self._stragglers: set[int] = set()
+        """Stragglers of the last round this leader decided (a `straggler` event per new one)."""
         """Decisions evaluated from etcd (one a round when the watched reports allow it)."""
 
     @property
@@ -537,6 +539,16 @@ class Coordinator:
             return
         for rid, (mine, majority) in decision.diverged.items():
             self._emit("diverged", replica=rid, step=q.max_step, digest=mine, majority=majority, round=round)
+        for rid, ratio in sorted(decision.stragglers.items()):
+            excluded = decision.excluded_straggler if decision.excluded_straggler and \
+                decision.excluded_straggler[0] == rid else None
+            if excluded is None and rid in self._stragglers:
+                continue  # still slow, already said (policy "wait")
+            self._emit("straggler", replica=rid, ratio=float(f"{ratio:.3f}"), window=self.spec.straggler_window,
+                       threshold=self.spec.straggler_threshold, policy=self.spec.straggler_policy,
+                       step=q.max_step, round=round,
+                       **({"until_round": excluded[1], "exclusions": excluded[2]} if excluded else {}))
+        self._stragglers = set(decision.stragglers)
         for rid, (made, newest) in decision.stale.items():
             self._emit("stale", replica=rid, step=q.max_step, made=list(made), newest=list(newest), round=round)
         if q.rewind is not None:

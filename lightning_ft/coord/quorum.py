@@ -49,6 +49,12 @@ Rules, in order:
 13. Batches. Under batch_policy "constant" a train round carries the cursor of every slot
    (`slot_cursors`): contributors' as reported, the others' from the ledger (History), so
    that contributors train the absent slots too (replica/batch_policy.py).
+14. Stragglers (after rule 5, coord/stragglers.py): a member whose reported compute time is
+   `JobSpec.straggler_threshold` times the median of the others' is a straggler
+   (`Decision.stragglers`). Under policy "exclude" the slowest one sits out a probation of
+   rounds (`Quorum.slow`, doubling on each repeat; it is not a member and the round does not
+   wait for it), unless that would leave fewer than min_replicas members; it then rejoins as
+   lagging and is measured afresh.
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Mapping, Optional
+
+from lightning_ft.coord import stragglers
 
 MAX_STEADY_STEPS = 64
 """A full round at least at every multiple of this step, even when nothing changes."""
@@ -106,6 +114,11 @@ class Report:
     made: tuple[int, int] = (-1, -1)
     """(round, epoch) of the round that made this state: its last commit, or the sync round
     in which it adopted (or was the source). (-1, -1): not known (a fresh process). Rule 8."""
+    compute_ms: float = -1.0
+    """Mean time of its last `stragglers.window` cleanly trained steps from the end of the
+    previous step to ready-to-exchange; -1 while it has fewer since it (re)joined. Rule 14."""
+    compute_round: int = -1
+    """The round of the newest step in `compute_ms`."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -153,6 +166,9 @@ class Quorum:
     """Consecutive ring-reset rounds with these members (rule 5)."""
     quarantine: tuple[tuple[int, int, int], ...] = ()
     """(rid, until_round, exclusions) of members excluded by rule 5."""
+    slow: tuple[tuple[int, int, int], ...] = ()
+    """(rid, until_round, exclusions) of stragglers excluded by rule 14 (policy "exclude");
+    an entry stays after its probation until the replica is measured within the threshold."""
     stop: bool = False
     """Some member asked to stop: every replica stops after committing this round."""
     steady: bool = False
@@ -184,6 +200,7 @@ class Quorum:
         d["cursors"] = tuple(d.get("cursors", ()))
         d["slot_cursors"] = tuple(d.get("slot_cursors", ()))
         d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
+        d["slow"] = tuple(tuple(q) for q in d.get("slow", ()))
         return cls(**d)
 
     def cursor_of(self, rid: int) -> int:
@@ -200,6 +217,12 @@ class JobSpec:
     fingerprint: Mapping[str, object] = field(default_factory=dict)
     batch_policy: str = "shrink"
     """"constant": train rounds carry every slot's cursor (`Quorum.slot_cursors`)."""
+    straggler_threshold: float = 0.0
+    """Rule 14: compute time over the median of the others' that makes a straggler; 0 = off."""
+    straggler_policy: str = "wait"
+    """Rule 14: "wait" (report only) or "exclude"."""
+    straggler_window: int = 10
+    """Rule 14: the steps each report's compute time is a median of (for the event)."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +257,11 @@ class Decision:
     """Replica id -> (its digest, the majority's digest), for the `diverged` event."""
     stale: Mapping[int, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
     """Replica id -> (the (round, epoch) that made its state, the newest), for the `stale` event."""
+    stragglers: Mapping[int, float] = field(default_factory=dict)
+    """Rule 14: replica id -> its compute time over the median of the others', for the
+    `straggler` event (every straggler, whatever the policy)."""
+    excluded_straggler: Optional[tuple[int, int, int]] = None
+    """Rule 14, policy "exclude": (rid, until_round, exclusions) of the straggler excluded now."""
 
 
 SECRET_FIELD = "secret_tag"
@@ -257,7 +285,9 @@ def _names(rids) -> str:
 
 
 def _quarantined(round: int, previous: Optional[Quorum]) -> dict[int, int]:
-    return {rid: until for rid, until, _ in (previous.quarantine if previous else ()) if round < until}
+    """Replicas sitting out `round`: rule 5's quarantine and rule 14's probation."""
+    entries = (previous.quarantine + previous.slow) if previous else ()
+    return {rid: until for rid, until, _ in entries if round < until}
 
 
 def _valid(round: int, reports: Mapping[int, Report], evicted, job: JobSpec,
@@ -336,6 +366,14 @@ def compute_quorum(
     strikes, quarantine, excluded = _strikes(round, valid, previous)
     for rid in excluded:
         valid.pop(rid)
+
+    # Rule 14: stragglers.
+    flagged, slow_victim, slow = stragglers.decide(
+        round, {r: (rep.compute_ms, rep.compute_round) for r, rep in valid.items()}, tuple(sorted(valid)),
+        previous.slow if previous is not None else (), job.straggler_threshold, job.straggler_policy,
+        job.min_replicas)
+    if slow_victim is not None:
+        valid.pop(slow_victim)
 
     # Rule 4: min_replicas.
     if len(valid) < job.min_replicas:
@@ -434,6 +472,10 @@ def compute_quorum(
         change = ", ".join(parts)
     if excluded:
         notes.append(f"excluded {_names(excluded)} after {STRIKES} failed ring rounds (partition)")
+    if flagged:
+        notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)" for r, x in sorted(flagged.items()))
+                     + (f"; r{slow_victim} sits out until round {dict((e[0], e[1]) for e in slow)[slow_victim]}"
+                        if slow_victim is not None else ""))
     reason = (f"round {round} epoch {epoch}: {len(members)}/{job.replicas} replicas [{_names(members)}] ({change}); "
               f"max_step {max_step}")
     if lagging:
@@ -451,8 +493,10 @@ def compute_quorum(
                contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
-               quarantine=quarantine, stop=any(valid[r].stop for r in members))
-    return Decision(q, reason, refused, diverged=diverged, stale=stale)
+               quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members))
+    victim_entry = next((e for e in slow if e[0] == slow_victim), None) if slow_victim is not None else None
+    return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
+                    excluded_straggler=victim_entry)
 
 
 def _newest(valid: Mapping[int, Report], usable: Mapping[int, int], top: int) -> int:
@@ -543,7 +587,7 @@ def steady_eligible(q: Quorum) -> bool:
     """Whether a round after `q` may be steady, judged from `q` alone (the same everywhere)."""
     if q.kind != TRAIN or q.lagging or q.diverged or q.rewind is not None or q.stop:
         return False
-    return not any(until == q.round + 1 for _, until, _ in q.quarantine)
+    return not any(until == q.round + 1 for _, until, _ in q.quarantine + q.slow)
 
 
 def _full_anyway(q: Quorum, view: LocalView) -> bool:

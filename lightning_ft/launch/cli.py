@@ -310,12 +310,21 @@ def _status_table(sup) -> "object":
     from rich.table import Table
 
     t = Table(title="lightning-ft")
-    for col in ("replica", "state", "incarnation", "step", "restarts", "last event"):
+    for col in ("replica", "state", "incarnation", "step", "restarts", "compute", "last event"):
         t.add_column(col)
     for st in sup.status():
         t.add_row(str(st["rid"]), st["state"], str(st["incarnation"]), str(st.get("step", "")),
-                  str(st.get("restarts", 0)), str(st.get("last_event", ""))[:60])
+                  str(st.get("restarts", 0)), _compute_cell(st), str(st.get("last_event", ""))[:60])
     return t
+
+
+def _compute_cell(st: dict) -> str:
+    """'12.3 ms (1.02x)': the replica's compute per step and its ratio to the others' median
+    (coord/stragglers.py); '' before it is measured."""
+    ms, ratio = st.get("compute_ms"), st.get("compute_ratio")
+    if ms is None:
+        return ""
+    return f"{ms:.1f} ms" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
 def _run_with_status(sup, timeout_s, stop) -> int:

@@ -86,6 +86,8 @@ class _Replica:
     last_event: str = ""
     step: Optional[int] = None
     """The last step its leader reported in `members/{rid}` (hang_check only)."""
+    compute_ms: float = -1.0
+    """Its last reported compute time per step (coord/stragglers.py; the status table)."""
     kill_reason: str = ""
     """Why kill_replica() signalled it; added to the eviction reason."""
     member_seen: bool = False
@@ -422,11 +424,17 @@ class Supervisor:
 
     def status(self) -> list[dict[str, Any]]:
         """Per replica: rid, incarnation, state ("running", "restarting", "done", "failed" or, after
-        shutdown, "stopped"), pids (of live processes), restarts, step (last reported), last_event."""
+        shutdown, "stopped"), pids (of live processes), restarts, step (last reported), last_event,
+        compute_ms (its reported compute per step) and compute_ratio (over the median of the other
+        running replicas'; a straggler's is >= stragglers.threshold)."""
+        from lightning_ft.coord.stragglers import ratios
+
         with self._lock:
+            slow = ratios({rep.rid: rep.compute_ms for rep in self._replicas.values() if rep.state == "running"})
             return [{"rid": rep.rid, "incarnation": rep.incarnation, "state": rep.state,
                      "pids": [p.pid for p in rep.procs if _peek(p) is None], "restarts": rep.restarts,
-                     "step": rep.step, "last_event": rep.last_event}
+                     "step": rep.step, "last_event": rep.last_event,
+                     "compute_ms": rep.compute_ms if rep.compute_ms > 0 else None, "compute_ratio": slow.get(rep.rid)}
                     for rep in self._replicas.values()]
 
     def shutdown(self) -> None:
@@ -595,6 +603,7 @@ class Supervisor:
             if mine is not None and mine.get("incarnation") == rep.incarnation:
                 rep.member_seen, rep.missing_since = True, None
                 rep.step = mine.get("step", rep.step)
+                rep.compute_ms = float(mine.get("compute_ms", -1.0))
                 if rep.first_step is None:
                     rep.first_step = rep.step
                 elif rep.step is not None and rep.step > rep.first_step:

@@ -26,10 +26,12 @@ broadcasts each round's quorum to its ranks.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -157,7 +159,7 @@ class ReplicaManager:
                  fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
                  sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2,
-                 run_id: str = "", batch_policy: str = "shrink") -> None:
+                 run_id: str = "", batch_policy: str = "shrink", stragglers: Any = None) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         if batch_policy not in POLICIES:
@@ -184,7 +186,20 @@ class ReplicaManager:
         fp.update(job=job, replicas=num_replicas, nproc_per_replica=world, chunk_bytes=chunk_bytes,
                   num_chunks=num_chunks, lr_intervention=lr_intervention,
                   secret_tag=secret_tag(secret, job), params=param_layout(self._named_params))
-        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp, batch_policy=batch_policy)
+        # Rule 14 (coord/stragglers.py): the job config's section, or detection off.
+        self.straggler_window = int(stragglers.window) if stragglers is not None else 10
+        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp, batch_policy=batch_policy,
+                            straggler_threshold=float(stragglers.threshold) if stragglers is not None else 0.0,
+                            straggler_policy=str(stragglers.policy) if stragglers is not None else "wait",
+                            straggler_window=self.straggler_window)
+        self._compute: collections.deque[float] = collections.deque(maxlen=max(1, self.straggler_window))
+        """Seconds from the end of the previous step to ready-to-exchange of the last cleanly
+        trained steps since this replica last (re)joined (`compute_ms` in the reports)."""
+        self._compute_round = -1
+        self._t_free: Optional[float] = None
+        """When the previous `run_step` / `prepare` returned: where the next step's compute starts."""
+        self._t_ready: Optional[float] = None
+        self._clean = True
         self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)
         self.hang_timeout_s = hang_timeout_s
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
@@ -268,7 +283,7 @@ class ReplicaManager:
                   fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
                   checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg),
                   etcd_config=cfg.etcd, num_programs=cfg.ftar.num_programs,
-                  batch_policy=cfg.batch_policy)
+                  batch_policy=cfg.batch_policy, stragglers=cfg.stragglers)
         kw.update(overrides)
         return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
                    secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
@@ -519,6 +534,10 @@ class ReplicaManager:
                                      synced=self.synced and not self._disowned, blame=self._blame,
                                      stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
                                      made=self._made)
+        if len(self._compute) >= self.straggler_window:
+            state.update(compute_ms=round(statistics.fmean(self._compute) * 1e3, 3), compute_round=self._compute_round)
+        else:  # not measured since we (re)joined: say so, or the report would keep an old value
+            state.update(compute_ms=-1.0, compute_round=-1)
         if digest is not None:
             state.update(digest=digest[1], digest_step=digest[0])
         return state
@@ -610,12 +629,35 @@ class ReplicaManager:
                     res.caught_up = True
             else:
                 self._stash = plan
+        self._t_free = time.monotonic()
         return res
 
     def run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int] = None,
                  recompute: Optional[Callable[[StepPlan], Any]] = None, pending: Optional[Future] = None,
                  computed: bool = False, after_exchange: Optional[Callable[[], None]] = None,
                  loss: Any = None, extra: Optional[Callable[[StepPlan], Any]] = None) -> StepResult:
+        """Run rounds until one commits a step in which this replica trained (see `_run_step`).
+        A step trained cleanly (its first round, no retry, catch-up or recomputation) adds its
+        compute time, from the previous call's return to ready-to-exchange, to the straggler
+        measure (coord/stragglers.py); a catch-up or sync starts the measure afresh."""
+        t_begin, self._clean = self._t_free, True
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            t_begin = None  # the checkpoint writer staged its state since: not compute
+        self._t_ready = time.monotonic() if computed else None
+        try:
+            res = self._run_step(compute, batch, recompute, pending, computed, after_exchange, loss, extra)
+        finally:
+            self._t_free = time.monotonic()
+        if res.caught_up or res.synced:
+            self._compute.clear()
+        elif res.trained and self._clean and t_begin is not None and self._t_ready is not None:
+            self._compute.append(self._t_ready - t_begin)
+            self._compute_round = self._committed_round
+        return res
+
+    def _run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int], recompute: Optional[Callable],
+                  pending: Optional[Future], computed: bool, after_exchange: Optional[Callable[[], None]],
+                  loss: Any, extra: Optional[Callable[[StepPlan], Any]]) -> StepResult:
         """Run rounds until one commits a step in which this replica trained.
 
         `batch`: the slot batch the caller's loader delivered (None: train whatever the plan
@@ -665,6 +707,7 @@ class ReplicaManager:
             if computed and in_grads and in_grads != plan.extra:
                 replaced = True  # they hold another round's extra batches: start over
             if computed and replaced:
+                self._clean = False
                 self.disarm()
                 if recompute is None:
                     raise StaleManualStep(f"replica {self.rid} fell behind with a half-trained manual-optimization "
@@ -674,6 +717,7 @@ class ReplicaManager:
             elif not computed:
                 res.loss = compute(plan)
                 computed, replaced, in_grads = True, False, ()
+                self._t_ready = time.monotonic()
             if plan.extra and in_grads != plan.extra:
                 if extra is None:
                     raise RuntimeError(f"replica {self.rid}: batch_policy 'constant' assigns it absent slots' batches "
@@ -689,6 +733,7 @@ class ReplicaManager:
                 res.committed += 1
                 res.trained = True
                 return res
+            self._clean = False  # a retry: this step's time is not its compute time
             if not self.restore_grads():
                 replaced = True  # the gradients are gone (zeroed): recompute them on the next round
 

@@ -1,0 +1,136 @@
+"""A straggler among three replicas, under each policy (coord/stragglers.py, quorum rule 14).
+
+    python -m lightning_ft.bench.straggler [--policies wait exclude] [--throttle-s 10]
+
+One job per policy: 3 replicas of examples/plain_loop.py (real processes, embedded etcd).
+After a steady stretch, replica 1 is throttled to about a third of its speed (SIGSTOP 0.2 s,
+SIGCONT 0.1 s, for --throttle-s seconds), then released. Replica 0's committed step rate is
+measured before and during the throttle (from the first step after the throttle began for
+"wait", from the first step without replica 1 for "exclude"). Prints one line per policy:
+
+    {"bench": "straggler", "policy": "exclude", "before_steps_s": ..., "during_steps_s": ...,
+     "ratio": during / before, "detect_s": ..., "straggler_events": n, "rejoined_s": ...,
+     "identical": true, "exactly_once": true, ...}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from lightning_ft.bench.localjob import Job
+from lightning_ft.coord.etcd_server import EtcdServer
+
+MODEL = ("--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "1", "--ftar-timeout", "5", "--init-timeout", "30",
+         "--digest-every", "1")
+
+
+def throttle(job: Job, rid: int, seconds: float, stop_s: float = 0.2, run_s: float = 0.1) -> threading.Thread:
+    """SIGSTOP/SIGCONT replica `rid` in a cycle for `seconds`, from a thread (ends with SIGCONT)."""
+    def go() -> None:
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                job.replicas[rid].signal(signal.SIGSTOP)
+                time.sleep(stop_s)
+                job.replicas[rid].signal(signal.SIGCONT)
+                time.sleep(run_s)
+        finally:
+            job.replicas[rid].signal(signal.SIGCONT)
+
+    t = threading.Thread(target=go, name="throttle", daemon=True)
+    t.start()
+    return t
+
+
+def rate(rows: list[dict], t0: float, t1: float) -> float:
+    """Committed steps per second of a replica in [t0, t1]."""
+    n = sum(1 for r in rows if r.get("event") == "step" and t0 <= r["t"] <= t1)
+    return n / max(1e-9, t1 - t0)
+
+
+def read_events(run_dir: str, name: str) -> list[dict]:
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [e for e in (json.loads(line) for line in f if line.strip()) if e.get("event") == name]
+
+
+def identical(job: Job) -> bool:
+    """Every step's digest agrees across the replicas that printed one."""
+    by_step: dict[int, set[str]] = {}
+    for r in job.history:
+        for row in r.steps():
+            if "digest" in row:
+                by_step.setdefault(row["step"], set()).add(row["digest"])
+    return bool(by_step) and all(len(d) == 1 for d in by_step.values())
+
+
+def run_policy(etcd: str, policy: str, a: argparse.Namespace) -> dict:
+    from lightning_ft.replica.data import read_cursors, verify_ledger
+
+    with tempfile.TemporaryDirectory(prefix="lft-straggler-") as tmp:
+        job = Job(etcd, tmp, args=MODEL + ("--steps", str(a.steps), "--step-sleep", str(a.step_sleep),
+                                           "--set", f"stragglers.policy={policy}"),
+                  env={(r, 0): {"LFT_RUN_DIR": tmp} for r in range(3)})
+        try:
+            job.start_all()
+            r0 = job.replicas[0]
+            r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 30, a.timeout)
+            t0 = time.time()
+            time.sleep(a.before_s)
+            before = rate(r0.rows, t0, time.time())
+            t_throttle = time.time()
+            th = throttle(job, 1, a.throttle_s)
+            first: Optional[dict] = None
+            if policy == "exclude":
+                first = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_throttle
+                                    and 1 not in x["members"], a.timeout)
+            th.join(a.throttle_s + 30)
+            t_release = time.time()
+            start = first["t"] if first is not None else t_throttle + 1.0
+            during = rate(r0.rows, start, t_release)
+            rejoin = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release
+                                              and x["role"] == "train", a.timeout)
+            job.wait_done(a.timeout)
+            cursors = read_cursors(job.store, job.root, range(job.R))
+            ledger = verify_ledger(job.store, job.root, cursors)
+            ev = read_events(tmp, "straggler")
+            return {"bench": "straggler", "policy": policy, "replicas": 3, "throttle": "SIGSTOP 0.2 s / SIGCONT 0.1 s",
+                    "throttle_s": a.throttle_s, "before_steps_s": round(before, 2), "during_steps_s": round(during, 2),
+                    "ratio": round(during / before, 3) if before else None,
+                    "detect_s": round(first["t"] - t_throttle, 3) if first is not None else None,
+                    "straggler_events": len(ev), "first_ratio": ev[0]["ratio"] if ev else None,
+                    "first_event_after_s": round(ev[0]["t"] - t_throttle, 3) if ev else None,
+                    "rejoined_s": round(rejoin["t"] - t_release, 3), "identical": identical(job),
+                    "exactly_once": ledger.ok, "steps": a.steps, "loadavg": os.getloadavg()[0]}
+        finally:
+            for r in job.replicas.values():
+                r.signal(signal.SIGCONT)
+            job.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lightning_ft.bench.straggler", description=__doc__.split("\n")[0])
+    p.add_argument("--policies", nargs="+", default=["wait", "exclude"], choices=["wait", "exclude"])
+    p.add_argument("--steps", type=int, default=2500, help="steps of each job (it must outlast the throttle)")
+    p.add_argument("--step-sleep", type=float, default=0.01, help="extra compute per step (s)")
+    p.add_argument("--before-s", type=float, default=3.0)
+    p.add_argument("--throttle-s", type=float, default=40.0, help="as long as the outside test that found it")
+    p.add_argument("--timeout", type=float, default=240.0)
+    a = p.parse_args(argv)
+    with EtcdServer() as etcd:
+        for policy in a.policies:
+            print(json.dumps(run_policy(etcd.endpoint, policy, a)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

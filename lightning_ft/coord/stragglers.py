@@ -1,0 +1,95 @@
+"""Stragglers: which replica is slower than the others, and what the quorum does about it
+(docs/ARCHITECTURE.md, "Stragglers"). Pure: no I/O, no clock.
+
+Each leader reports `compute_ms`, the mean over its last `window` cleanly trained steps of
+the time from the end of its previous step to ready-to-exchange (data, forward, backward),
+or -1 while it has fewer such steps since it last (re)joined. The mean, not the median: a
+replica throttled in bursts (stopped 0.2 s in every 0.3 s) trains most steps at full speed
+and a few very slowly, and only the mean sees that it costs the job two thirds of its time. The decider of a full round
+compares them (`ratios`): a replica's ratio is its compute time over the median of the
+others'. One at or above `threshold`, and slower than the median of all (a minority), is a
+straggler (`flag`).
+
+What the round does with it is the policy (`stragglers.policy`):
+- `wait`: nothing; the job runs at the straggler's pace, and the `straggler` event says so.
+- `exclude`: the straggler sits out `PROBATION_ROUNDS * 2**k` rounds on its k-th exclusion
+  (in `Quorum.slow`, beside rule 5's quarantine), so the others train at their own pace;
+  its slot's batches wait (exactly once holds), and it rejoins as lagging: a catch-up, then
+  it trains and is measured afresh. One that is measured within the threshold after it
+  came back is forgiven (k resets). At most one replica is excluded per round, and never
+  one that would leave fewer than `min_replicas` members.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Mapping, Optional
+
+WAIT, EXCLUDE = "wait", "exclude"
+POLICIES = (WAIT, EXCLUDE)
+MIN_EXCESS_MS = 5.0
+"""A straggler's compute time exceeds the median of the others' by at least this much."""
+PROBATION_ROUNDS = 64
+"""Rounds a straggler sits out on its first exclusion (doubling on each repeat): long enough
+that a replica that stays slow costs the job little (it slows only the rounds between its
+return and its next measurement), short enough that a recovered one is back within seconds."""
+
+
+def ratios(compute_ms: Mapping[int, float]) -> dict[int, float]:
+    """Replica -> its compute time over the median of the others' (replicas with a measure,
+    compute_ms > 0; none when fewer than two are measured)."""
+    known = {r: float(ms) for r, ms in compute_ms.items() if ms > 0}
+    if len(known) < 2:
+        return {}
+    out = {}
+    for r, ms in known.items():
+        others = statistics.median(v for o, v in known.items() if o != r)
+        out[r] = ms / others if others > 0 else float("inf")
+    return out
+
+
+def flag(compute_ms: Mapping[int, float], threshold: float) -> dict[int, float]:
+    """The stragglers and their ratios: ratio >= threshold (threshold <= 0: detection off).
+    With two replicas measured, the slower one is flagged when it is `threshold` times the
+    other (a majority of one)."""
+    if threshold <= 0:
+        return {}
+    known = [float(ms) for ms in compute_ms.values() if ms > 0]
+    middle = statistics.median(known) if known else 0.0
+    # ... and slower than the middle of all (when most replicas are slow, the fast one is the
+    # outlier, and excluding a majority would leave the job to it), by at least MIN_EXCESS_MS
+    # (a 2 ms step against a 1.4 ms one is noise, not a straggler)
+    return {r: x for r, x in ratios(compute_ms).items()
+            if x >= threshold and compute_ms[r] > middle and compute_ms[r] - compute_ms[r] / x >= MIN_EXCESS_MS}
+
+
+def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple[int, ...], slow_before: tuple,
+           threshold: float, policy: str, min_replicas: int
+           ) -> tuple[dict[int, float], Optional[int], tuple[tuple[int, int, int], ...]]:
+    """One round's straggler decision: (flagged replicas and their ratios, the one to exclude
+    now or None, the new `Quorum.slow` list of (rid, until_round, exclusions)).
+
+    `measures` maps the round's valid members (after rule 5) to (compute_ms, the round of the
+    newest step measured); `slow_before` is the previous round's `Quorum.slow`. A measure older
+    than the replica's return from probation does not count (it was made before it sat out).
+    Entries whose probation is over stay (their count k) until the replica is measured within
+    the threshold, which forgives it."""
+    entries = {rid: (until, k) for rid, until, k in slow_before}
+    compute_ms = {r: ms for r, (ms, at) in measures.items()
+                  if r in members and (r not in entries or at >= entries[r][0])}
+    flagged = flag(compute_ms, threshold)
+    victim: Optional[int] = None
+    if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas):
+        top = max(flagged.values())
+        victim = max(r for r, x in flagged.items() if x == top)  # the slowest; ties: the highest id
+        k = entries.get(victim, (0, 0))[1]
+        entries[victim] = (round + PROBATION_ROUNDS * 2 ** k, k + 1)
+    for r in members:  # measured within the threshold since it came back: forgiven
+        if r in entries and r != victim and r not in flagged and compute_ms.get(r, -1.0) > 0 \
+                and entries[r][0] <= round:
+            del entries[r]
+    return flagged, victim, tuple(sorted((r, until, k) for r, (until, k) in entries.items()))
+
+
+def excluded(round: int, slow: tuple) -> set[int]:
+    """Replicas on probation in `round` (from the previous round's `Quorum.slow`)."""
+    return {rid for rid, until, _ in slow if round < until}

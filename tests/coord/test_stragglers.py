@@ -1,0 +1,137 @@
+"""Stragglers: the pure detection (coord/stragglers.py) and quorum rule 14, table-driven."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_ft.coord import stragglers
+from lightning_ft.coord.quorum import History, JobSpec, Quorum, Report, compute_quorum, steady_eligible
+from lightning_ft.coord.stragglers import EXCLUDE, PROBATION_ROUNDS, WAIT
+
+FP = {"job": "j"}
+
+
+@pytest.mark.parametrize("compute,want", [
+    ({0: 10, 1: 10, 2: 30}, {0: 0.5, 1: 0.5, 2: 3.0}),      # median of the others
+    ({0: 10, 1: 20}, {0: 0.5, 1: 2.0}),                      # two: each against the other
+    ({0: 10, 1: -1, 2: 30}, {0: 1 / 3, 2: 3.0}),             # unmeasured replicas are left out
+    ({0: 10, 1: -1, 2: -1}, {}),                             # one measured: nothing to compare with
+    ({}, {}),
+    ({0: 10, 1: 11, 2: 12, 3: 40}, {0: 10 / 12, 1: 11 / 12, 2: 12 / 11, 3: 40 / 11}),
+])
+def test_ratio_is_own_compute_over_the_median_of_the_others(compute, want):
+    got = stragglers.ratios(compute)
+    assert set(got) == set(want)
+    for r, x in want.items():
+        assert got[r] == pytest.approx(x)
+
+
+@pytest.mark.parametrize("compute,threshold,want", [
+    ({0: 100, 1: 100, 2: 130}, 1.3, [2]),     # exactly at the threshold counts
+    ({0: 100, 1: 100, 2: 129}, 1.3, []),
+    ({0: 100, 1: 100, 2: 300}, 0, []),        # 0 = detection off
+    ({0: 100, 1: 300, 2: 300}, 1.3, []),      # a fast one is no straggler: most are slow
+    ({0: 100, 1: 140, 2: 300}, 1.3, [2]),
+    ({0: 2.0, 1: 2.0, 2: 6.9}, 1.3, []),      # 3.45x, but 4.9 ms: noise of a tiny step
+    ({0: 2.0, 1: 2.0, 2: 7.0}, 1.3, [2]),
+])
+def test_flag_by_threshold(compute, threshold, want):
+    assert sorted(stragglers.flag(compute, threshold)) == want
+
+
+def M(**ms):
+    """Measures at round 100: {rid: (ms, 100)}."""
+    return {int(k[1:]): (float(v), 100) for k, v in ms.items()}
+
+
+def test_exclude_takes_the_slowest_for_a_probation_that_doubles():
+    flagged, victim, slow = stragglers.decide(101, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, EXCLUDE, 1)
+    assert stragglers.MIN_EXCESS_MS <= 30
+    assert sorted(flagged) == [2] and victim == 2 and slow == ((2, 101 + PROBATION_ROUNDS, 1),)
+    # back after its probation, measured slow again (a measure newer than its return): twice as long
+    back = 101 + PROBATION_ROUNDS
+    measures = {0: (10.0, back + 9), 1: (10.0, back + 9), 2: (40.0, back + 9)}
+    _, victim, slow = stragglers.decide(back + 10, measures, (0, 1, 2), slow, 1.3, EXCLUDE, 1)
+    assert victim == 2 and slow == ((2, back + 10 + 2 * PROBATION_ROUNDS, 2),)
+
+
+def test_a_measure_from_before_the_probation_does_not_count_and_a_good_one_forgives():
+    slow_before = ((2, 165, 1),)
+    stale = {0: (10.0, 170), 1: (10.0, 170), 2: (40.0, 160)}  # r2 has not trained since it came back
+    flagged, victim, slow = stragglers.decide(170, stale, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
+    assert flagged == {} and victim is None and slow == slow_before  # kept: not yet measured again
+    fresh = {0: (10.0, 180), 1: (10.0, 180), 2: (11.0, 179)}
+    flagged, victim, slow = stragglers.decide(180, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
+    assert flagged == {} and victim is None and slow == ()  # forgiven
+
+
+def test_wait_only_reports_and_min_replicas_keeps_the_straggler_in():
+    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, WAIT, 1)
+    assert sorted(flagged) == [2] and victim is None and slow == ()
+    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, EXCLUDE, 3)
+    assert sorted(flagged) == [2] and victim is None and slow == ()
+
+
+def test_ties_exclude_the_highest_id_and_only_one_per_round():
+    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40, r3=40), (0, 1, 2, 3), (), 1.3, EXCLUDE, 1)
+    assert sorted(flagged) == [2, 3] and victim == 3 and [e[0] for e in slow] == [3]
+
+
+# -- rule 14 in compute_quorum ------------------------------------------------------------------
+
+JOB_X = JobSpec(3, 1, 10.0, FP, straggler_threshold=1.3, straggler_policy=EXCLUDE)
+JOB_W = JobSpec(3, 1, 10.0, FP, straggler_threshold=1.3, straggler_policy=WAIT)
+
+
+def rep(rid, step, round, ms=-1.0, at=-1):
+    return Report(rid=rid, incarnation=0, step=step, round=round, fingerprint=FP, made=(round - 1, 0),
+                  compute_ms=ms, compute_round=at)
+
+
+def prev(members, step, round, **kw):
+    return Quorum(round=round, epoch=0, members=tuple(members), incarnations=(0,) * len(members), max_step=step,
+                  contributors=tuple(members), lagging=(), cursors=(step,) * len(members), **kw)
+
+
+def decide(round, reports, previous, job):
+    return compute_quorum(round, {r.rid: r for r in reports}, frozenset(), previous, job, 0.0, History(50))
+
+
+def test_exclude_policy_leaves_the_straggler_out_and_the_round_goes_on_without_waiting_for_it():
+    p = prev((0, 1, 2), 50, 9)
+    reps = [rep(0, 50, 10, 10, 9), rep(1, 50, 10, 11, 9), rep(2, 50, 10, 35, 9)]
+    d = decide(10, reps, p, JOB_X)
+    q = d.quorum
+    assert q.members == (0, 1) and q.contributors == (0, 1) and q.slow == ((2, 10 + PROBATION_ROUNDS, 1),)
+    assert d.excluded_straggler == (2, 10 + PROBATION_ROUNDS, 1) and d.stragglers[2] == pytest.approx(35 / 10.5)
+    assert "straggler r2 (3.33x the others' compute); r2 sits out until round 74" in d.reason
+    # on probation: not waited for (no report this round) and not a member
+    d = decide(11, [rep(0, 51, 11, 10, 10), rep(1, 51, 11, 10, 10)], q, JOB_X)
+    assert d.quorum is not None and d.quorum.members == (0, 1) and d.quorum.slow == q.slow
+    # its probation ends: the round before is not steady, and it rejoins as lagging
+    late = Quorum(**{**d.quorum.__dict__, "round": 10 + PROBATION_ROUNDS - 1, "max_step": 113})
+    assert not steady_eligible(late)
+    reps = [rep(0, 114, 74, 10, 73), rep(1, 114, 74, 10, 73), rep(2, 51, 74, 35, 9)]
+    d = decide(74, reps, late, JOB_X)
+    assert d.quorum.members == (0, 1, 2) and d.quorum.lagging == (2,) and d.stragglers == {}
+
+
+def test_wait_policy_reports_the_straggler_and_keeps_it_training():
+    p = prev((0, 1, 2), 50, 9)
+    d = decide(10, [rep(0, 50, 10, 10, 9), rep(1, 50, 10, 10, 9), rep(2, 50, 10, 35, 9)], p, JOB_W)
+    assert d.quorum.contributors == (0, 1, 2) and d.quorum.slow == () and d.excluded_straggler is None
+    assert list(d.stragglers) == [2] and "straggler r2 (3.50x" in d.reason
+
+
+def test_off_by_default_and_old_records_decode():
+    p = prev((0, 1, 2), 50, 9)
+    d = decide(10, [rep(0, 50, 10, 10, 9), rep(1, 50, 10, 10, 9), rep(2, 50, 10, 35, 9)], p,
+               JobSpec(3, 1, 10.0, FP))
+    assert d.stragglers == {} and d.quorum.members == (0, 1, 2)
+    q = Quorum.from_json(json.dumps({k: v for k, v in json.loads(p.to_json()).items() if k != "slow"}).encode())
+    assert q.slow == ()
+    r = Report.from_json(json.dumps({"rid": 1, "incarnation": 0, "step": 3, "round": 4}).encode())
+    assert r.compute_ms == -1.0 and r.compute_round == -1
+    q2 = Quorum.from_json(prev((0, 1), 5, 3, slow=((2, 9, 1),)).to_json())
+    assert q2.slow == ((2, 9, 1),)

@@ -1,0 +1,57 @@
+"""A throttled replica (SIGSTOP 0.2 s, SIGCONT 0.1 s: a third of its speed) among three real
+replicas of the plain loop: detected and reported under either policy; under "exclude" the
+healthy ones keep their pace, it rejoins once released, and the job ends identical with an
+exact ledger (coord/stragglers.py, quorum rule 14)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from lightning_ft.bench.localjob import Job
+from lightning_ft.bench.straggler import rate, read_events, throttle
+from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identical_every_step
+
+
+STEPS = os.environ.get("LFT_TEST_STRAGGLER_STEPS", "1500")
+
+
+@pytest.mark.timeout(300)
+def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identical(etcd_endpoint, tmp_path):
+    run_dir = str(tmp_path)
+    job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", STEPS, "--step-sleep", "0.01",
+                                                     "--set", "stragglers.policy=exclude"),
+              env={(r, 0): {"LFT_RUN_DIR": run_dir} for r in range(3)})
+    try:
+        job.start_all()
+        r0 = job.replicas[0]
+        r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 30, 120)
+        t0 = time.time()
+        time.sleep(3.0)
+        before = rate(r0.rows, t0, time.time())
+        t_throttle = time.time()
+        th = throttle(job, 1, 8.0)
+        # detected and excluded: the healthy replicas train without r1
+        out = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_throttle and 1 not in x["members"], 30)
+        t_out = out["t"]
+        th.join(30)
+        t_release = time.time()
+        during = rate(r0.rows, t_out, t_release)
+        ev = read_events(run_dir, "straggler")
+        assert ev and ev[0]["replica"] == 1 and ev[0]["ratio"] >= 1.3 and ev[0]["policy"] == "exclude", ev
+        assert ev[0]["window"] == 10 and ev[0]["until_round"] > ev[0]["round"]
+        # released: it rejoins by catch-up and trains again
+        r1 = job.replicas[1]
+        r1.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release and x["role"] == "train", 90)
+        print(json.dumps({"before": before, "during": during, "detect_s": t_out - t_throttle, "events": len(ev)}))
+        assert during >= 0.6 * before, (before, during)
+        job.wait_done(240)
+    finally:
+        for r in job.replicas.values():
+            r.signal(signal.SIGCONT)
+    assert_identical_every_step(job)
+    assert_exactly_once(job)
+    job.close()
