@@ -1,21 +1,28 @@
 """Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (DESIGN §6).
 
-    python -m lightning_ft.bench.catchup [--mb 100 400] [--clients 1 2] [--iters 3] [--peer-iters 1]
+    python -m lightning_ft.bench.catchup [--mb 100 400] [--clients 1 2] [--streams 1 4] [--iters 3]
+                                         [--peer-iters 1] [--netns]
 
 This process publishes an fp32 state of M MB (four large tensors and a 0-dim step) on a
 `StateServer`. N client subprocesses, each with the state preallocated, fetch it at the same
-time with `fetch_state`. The peer is the naive path: the server pickles the same state with
+time with `fetch_state`, over each of the `--streams` settings (parallel connections; 1 is
+the serial fetch of before issue 25), alternating round by round so that they are compared
+under the same machine load. `--netns`: the clients run in a network namespace and reach
+the server through a veth and a bridge (needs root; see bench/netns.py). The peer is the naive path: the server pickles the same state with
 `torch.save` into a BytesIO per request and sends it over a plain TCP socket; the client
 receives it whole, `torch.load`s it (weights_only) and copies it into its tensors.
 One JSON line per case, from the median of `iters` timed rounds after one warm-up (the peer:
 median of `peer_iters` rounds, no warm-up; it is 10x slower and would dominate the run time):
-    {"bench": "catchup", "state_mb": M, "clients": N, "gbps": ..., "seconds": ...,
+    {"bench": "catchup", "state_mb": M, "clients": N, "net": "loopback" | "netns", "streams": S,
+     "gbps": ..., "seconds": ..., "gbps_by_streams": {"1": ..., "4": ...}, "rounds_by_streams": {..},
      "peer_gbps": ..., "peer_seconds": ...}
+(S, gbps, seconds: the largest --streams setting; rounds_by_streams: each timed round's GB/s.)
 gbps is aggregate: N x state bytes / the slowest client's seconds (1e9 bytes per GB).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -29,7 +36,7 @@ import time
 
 import torch
 
-from lightning_ft.replica.catchup import StateServer, fetch_state
+from lightning_ft.replica.catchup import STREAMS, StateServer, fetch_state
 
 _LEN = struct.Struct(">Q")
 
@@ -81,7 +88,8 @@ def _client(args: argparse.Namespace) -> None:
             into = {name: torch.zeros(shape) for name, shape in _layout(float(rest[0]))}
             out = {"seconds": 0.0}
         elif cmd == "fetch":
-            _, stats = fetch_state(args.client, int(rest[0]), into, secret, args.fetcher, timeout_s=60)
+            _, stats = fetch_state(args.client, int(rest[0]), into, secret, args.fetcher, timeout_s=60,
+                                   streams=int(rest[1]))
             out = {"seconds": stats["seconds"], "bytes": stats["bytes"]}
         elif cmd == "peer":
             out = {"seconds": _peer_fetch(rest[0], into)}
@@ -96,10 +104,10 @@ def _client(args: argparse.Namespace) -> None:
 class _PeerServer:
     """torch.save per request into a BytesIO, then length-prefixed over a plain socket."""
 
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], bind: str = "127.0.0.1") -> None:
         self.state = state
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.sock = socket.create_server((bind, 0))
+        self.address = f"{bind}:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -132,11 +140,13 @@ def _round(clients: list[subprocess.Popen], command: str) -> float:
     return max(r["seconds"] for r in results)
 
 
-def _start_clients(address: str, n: int) -> list[subprocess.Popen]:
+def _start_clients(address: str, n: int, host=None) -> list[subprocess.Popen]:
+    """`host`: a bench.netns Host to run the clients in (None: this namespace)."""
     env = dict(os.environ, LFT_BENCH_SECRET="bench-secret")
-    clients = [subprocess.Popen([sys.executable, "-m", "lightning_ft.bench.catchup", "--client", address,
-                                 "--fetcher", f"lagger{i}"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    popen = host.popen if host is not None else subprocess.Popen
+    clients = [popen([sys.executable, "-m", "lightning_ft.bench.catchup", "--client", address,
+                      "--fetcher", f"lagger{i}"],
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for i in range(n)]
     for p in clients:
         line = p.stdout.readline()
@@ -145,16 +155,31 @@ def _start_clients(address: str, n: int) -> list[subprocess.Popen]:
     return clients
 
 
-def _case(mb: float, clients: list[subprocess.Popen], iters: int, peer_iters: int, peer: _PeerServer,
-          version: int) -> dict:
+def _case(mb: float, clients: list[subprocess.Popen], iters: int, peer_iters: int, peer: "_PeerServer | None",
+          version: int, streams: list[int], net: str) -> dict:
     n = len(clients)
     _round(clients, f"alloc {mb}")
-    nbytes = n * sum(t.numel() * t.element_size() for t in peer.state.values())
-    ours = [_round(clients, f"fetch {version}") for _ in range(iters + 1)][1:]
-    theirs = [_round(clients, f"peer {peer.address}") for _ in range(peer_iters)]
-    s, ps = statistics.median(ours), statistics.median(theirs)
-    return {"bench": "catchup", "state_mb": mb, "clients": n, "gbps": round(nbytes / s / 1e9, 3),
-            "seconds": round(s, 4), "peer_gbps": round(nbytes / ps / 1e9, 3), "peer_seconds": round(ps, 4)}
+    nbytes = n * sum(t.numel() * t.element_size() for t in _state_like(mb))
+    for k in streams:  # warm-up
+        _round(clients, f"fetch {version} {k}")
+    ours: dict[int, list[float]] = {k: [] for k in streams}
+    for _ in range(iters):  # paired: each round runs every setting, one after the other
+        for k in streams:
+            ours[k].append(_round(clients, f"fetch {version} {k}"))
+    med = {k: statistics.median(v) for k, v in ours.items()}
+    top = max(streams)
+    out = {"bench": "catchup", "state_mb": mb, "clients": n, "net": net, "streams": top,
+           "gbps": round(nbytes / med[top] / 1e9, 3), "seconds": round(med[top], 4),
+           "gbps_by_streams": {str(k): round(nbytes / med[k] / 1e9, 3) for k in streams},
+           "rounds_by_streams": {str(k): [round(nbytes / x / 1e9, 2) for x in v] for k, v in ours.items()}}
+    if peer is not None and peer_iters:
+        ps = statistics.median([_round(clients, f"peer {peer.address}") for _ in range(peer_iters)])
+        out.update(peer_gbps=round(nbytes / ps / 1e9, 3), peer_seconds=round(ps, 4))
+    return out
+
+
+def _state_like(mb: float) -> list[torch.Tensor]:
+    return [torch.empty(shape) for _, shape in _layout(mb)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,25 +187,40 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mb", type=float, nargs="+", default=[100, 400])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--peer-iters", type=int, default=1, help="the peer is slow; it needs no warm-up")
+    ap.add_argument("--peer-iters", type=int, default=1, help="the peer is slow; it needs no warm-up (0: skip it)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, STREAMS],
+                    help="parallel connections per fetch, each setting timed in every round")
+    ap.add_argument("--netns", action="store_true", help="clients in a network namespace, over a veth and a bridge")
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as a client of this address
     ap.add_argument("--fetcher", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
         return _client(args)
-    server = StateServer(b"bench-secret", name="bench")
-    clients = _start_clients(server.address, max(args.clients))
+    with contextlib.ExitStack() as stack:
+        host, bind = None, "127.0.0.1"
+        if args.netns:
+            from lightning_ft.bench.netns import Net
+            net = stack.enter_context(Net())
+            host, bind = net.host("c"), f"{net.subnet}.1"  # the server answers on the bridge
+        _bench(args, host, bind)
+
+
+def _bench(args: argparse.Namespace, host, bind: str) -> None:
+    server = StateServer(b"bench-secret", bind_host=bind, name="bench")
+    clients = _start_clients(server.address, max(args.clients), host)
     try:
         for version, mb in enumerate(args.mb):
             state = _state(mb)
             server.publish(version, state, {"step": version}, expected=set())
-            peer = _PeerServer(state)
+            peer = _PeerServer(state, bind) if args.peer_iters else None
             try:
                 for n in args.clients:
-                    case = _case(mb, clients[:n], args.iters, args.peer_iters, peer, version)
+                    case = _case(mb, clients[:n], args.iters, args.peer_iters, peer, version, args.streams,
+                                 "netns" if host is not None else "loopback")
                     print(json.dumps(case), flush=True)
             finally:
-                peer.close()
+                if peer is not None:
+                    peer.close()
     finally:
         for p in clients:
             p.stdin.close()  # EOF ends the client loop

@@ -7,8 +7,12 @@ written as soon as the process is reaped), its restart and rejoin, then a SIGSTO
 2 (no eviction: only its lease can expire), SIGCONT and its rejoin. Printed as one JSON line:
     {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s",
      "catchup_gbps", "catchup_s", "state_mb", ...}
-A stall is the longest gap between committed steps of a healthy replica around the event,
-minus the median step time. Default model: ~9.4M parameters with AdamW, a ~113 MB state.
+A stall (`_stall`) is the longest gap between committed steps of healthy replica 0 that
+overlaps the event's window, minus the median step time, and never negative: 0 when no gap
+in the window is longer than a median step. The kill's window runs from the SIGKILL to the
+first step committed without the killed replica (the stall shows in the step it breaks,
+which may end after the kill's own gap), the hang's from the SIGSTOP to the first step
+without the stopped one. Default model: ~9.4M parameters with AdamW, a ~113 MB state.
 """
 from __future__ import annotations
 
@@ -29,6 +33,14 @@ def _gap_around(rows: list[dict], t0: float, t1: float) -> float:
     ts = [r["t"] for r in rows]
     gaps = [b - a for a, b in zip(ts, ts[1:]) if b >= t0 and a <= t1]
     return max(gaps) if gaps else 0.0
+
+
+def _stall(rows: list[dict], t0: float, t1: float, step_s: float) -> float:
+    """Seconds a healthy replica lost to an event in [t0, t1]: the longest gap between its
+    committed steps that overlaps the window, beyond a median step. Never negative: steps
+    vary, and a window whose gaps are all shorter than the median lost nothing (before this
+    was clipped, a kill landing in a fast step printed -0.0067 s and -0.0161 s)."""
+    return max(0.0, _gap_around(rows, t0, t1) - step_s)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -53,7 +65,8 @@ def run(a: argparse.Namespace) -> dict:
             job.wait_exit(1)
             job.evict(1, "SIGKILL (bench)")
             n_kill = len(r0.steps())
-            r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_kill and 1 not in x["members"], a.timeout)
+            gone = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_kill and 1 not in x["members"],
+                               a.timeout)
             time.sleep(a.restart_delay)
             job.start(1, inc=1)
             lag1 = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["lag"], a.timeout)
@@ -74,9 +87,9 @@ def run(a: argparse.Namespace) -> dict:
             return {
                 "bench": "recovery", "replicas": 3, "ttl_s": a.ttl, "state_mb": round(lag1["state_mb"], 1),
                 "step_s": round(step_s, 4),
-                "kill_stall_s": round(_gap_around(rows, t_kill, t_kill) - step_s, 4),
-                "hang_stall_s": round(_gap_around(rows, t_hang, out["t"]) - step_s, 4),
-                "rejoin_stall_s": round(rejoin_row["dt"] - step_s, 4),
+                "kill_stall_s": round(_stall(rows, t_kill, gone["t"], step_s), 4),
+                "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4),
+                "rejoin_stall_s": round(max(0.0, rejoin_row["dt"] - step_s), 4),
                 "rejoin_step_s": round(rejoin_row["dt"], 4),
                 "catchup_gbps": round(lag1["catchup_gbps"], 3),
                 "catchup_s": round(lag1["catchup_ms"] / 1e3, 4),

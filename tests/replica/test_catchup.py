@@ -336,19 +336,21 @@ class _Tamper:
     """A TCP proxy that flips one byte of the server's response at `offset` (counted from the
     first byte of the body, after the HTTP headers)."""
 
-    def __init__(self, upstream: str, offset: int) -> None:
+    def __init__(self, upstream: str, offset: int, conns: int = 1, tamper: int = 0) -> None:
+        """`conns` connections are forwarded; the `tamper`-th accepted one is altered."""
         self.upstream, self.offset = upstream, offset
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._run, daemon=True).start()
+        for k in range(conns):
+            threading.Thread(target=self._run, args=(k == tamper,), daemon=True).start()
 
-    def _run(self) -> None:
+    def _run(self, tamper: bool) -> None:
         try:
-            self._forward()
+            self._forward(tamper)
         except OSError:  # the fetcher hung up after refusing the response
             pass
 
-    def _forward(self) -> None:
+    def _forward(self, tamper: bool) -> None:
         client, _ = self.sock.accept()
         host, port = self.upstream.split(":")
         up = socket.create_connection((host, int(port)))
@@ -366,7 +368,7 @@ class _Tamper:
                 client.sendall(head + b"\r\n\r\n")
                 seen = 0
             data = bytearray(data)
-            if seen <= self.offset < seen + len(data):
+            if tamper and seen <= self.offset < seen + len(data):
                 data[self.offset - seen] ^= 0x01
             seen += len(data)
             client.sendall(data)
@@ -430,3 +432,105 @@ def test_cuda_state_is_served_and_fetched_through_host_memory(server):
     fetch_state(server.address, 3, into, SECRET, "a")
     assert all(t.is_cuda for t in into.values())
     assert _bitwise_equal({n: t.cpu() for n, t in into.items()}, want)
+
+
+# -- parallel parts (issue 25 §3) -------------------------------------------------------------------
+
+
+def test_parts_on_parallel_connections_roundtrip_bitwise_and_complete_once_all_acked(server):
+    state = _state()
+    server.publish(41, state, META, expected={"r1/rank0"})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    for streams in (2, 3, 7):  # 7: parts that split tensors at odd offsets
+        into = _like(state)
+        meta, stats = fetch_state(server.address, 41, into, SECRET, "r1/rank0", streams=streams)
+        assert _bitwise_equal(into, state) and meta == META
+        assert stats["bytes"] == total and stats["streams"] == streams
+    assert _wait_completed(server, {"r1/rank0"}) == {"r1/rank0"}
+
+
+def test_a_fetch_whose_parts_did_not_all_arrive_is_not_completed_and_freeze_keeps_everything(server):
+    from lightning_ft.replica.catchup_wire import Part
+
+    state = {f"w{i}": torch.randn(1 << 16) for i in range(4)}  # 1 MB
+    server.publish(2, state, {}, expected={"r1"})
+    a, b = socket.socketpair()
+    try:
+        status, _, send = server._admit(2, "r1", Part("00c0ffee", 0, 2), a)  # part 1 of 2 is still connecting
+        assert status == 200
+        send.pos = send.hi  # part 0 sent everything
+        server.freeze()
+        assert server.frozen_bytes == 4 << 18, "part 1 of 2 has not been admitted: its tensors are kept"
+    finally:
+        server._sends.discard(send)
+        a.close()
+        b.close()
+    assert server.completed() == set()
+
+
+@pytest.mark.parametrize("tamper", [0, 2])
+def test_one_altered_part_ends_the_parallel_fetch_partial_and_nothing_is_acked(server, tamper):
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(3)}  # 3 MB in 3 parts of 1 MB
+    server.publish(3, state, {"step": 3}, expected={"r1/rank0"})
+    offset = len(server._pub.header) + 16 + 4096  # inside the part's tensor bytes
+    proxy = _Tamper(server.address, offset, conns=3, tamper=tamper)
+    into = {n: torch.zeros_like(t) for n, t in state.items()}
+    with pytest.raises(CatchupError, match="body MAC mismatch") as e:
+        fetch_state(proxy.address, 3, into, SECRET, "r1/rank0", streams=3, timeout_s=5)
+    assert e.value.partial, "bytes were written: the replica must vote LOST"
+    time.sleep(0.2)  # an ACK would have arrived by now
+    assert server.completed() == set() and not server._pub.acked, "no part was acknowledged"
+
+
+def test_a_server_without_the_secret_writes_nothing_into_a_parallel_fetch(monkeypatch):
+    impostor = StateServer(b"not-the-job-secret", name="impostor")
+    monkeypatch.setattr(impostor, "_check_auth", lambda version, headers: ("anyone", ""))
+    try:
+        state = {f"w{i}": torch.randn(1 << 18) for i in range(3)}
+        impostor.publish(3, state, {"step": 3})
+        into = {n: torch.full_like(t, 7.0) for n, t in state.items()}
+        with pytest.raises(CatchupError, match="not authentic \\(header MAC mismatch\\)") as e:
+            fetch_state(impostor.address, 3, into, SECRET, "r1/rank0", streams=4, timeout_s=5)
+        assert not e.value.partial
+        assert all(torch.equal(t, torch.full_like(t, 7.0)) for t in into.values()), "not one byte written"
+        time.sleep(0.2)
+        assert impostor.completed() == set() and not impostor._pub.acked
+    finally:
+        impostor.close()
+
+
+def test_parts_of_two_publications_are_never_mixed(server, monkeypatch):
+    """The version is republished between the parts' requests: the headers differ (another
+    publication id), so the fetch fails before any tensor byte is written."""
+    import lightning_ft.replica.catchup as client
+
+    state = {f"w{i}": torch.randn(1 << 16) for i in range(2)}
+    server.publish(5, state, {})
+    opened = []
+    real_open = client._Fetch._open
+
+    def open_then_republish(self, s):
+        real_open(self, s)
+        opened.append(s.part.index)
+        if len(opened) == 1:
+            server.publish(5, {n: t + 1 for n, t in state.items()}, {})
+
+    monkeypatch.setattr(client._Fetch, "_open", open_then_republish)
+    monkeypatch.setattr(client, "Thread", lambda target, args, **kw: _Inline(target, args))
+    into = {n: torch.zeros_like(t) for n, t in state.items()}
+    with pytest.raises(CatchupError, match="different publications") as e:
+        fetch_state(server.address, 5, into, SECRET, "r1", streams=2, timeout_s=5)
+    assert not e.value.partial and all(not t.any() for t in into.values())
+
+
+class _Inline:
+    """A Thread stand-in that runs its target at start(): the parts open one after the other."""
+
+    def __init__(self, target, args) -> None:
+        self.target, self.args = target, args
+
+    def start(self) -> None:
+        self.target(*self.args)
+
+    def join(self, timeout=None) -> None:
+        pass
