@@ -468,6 +468,32 @@ def test_a_fetch_whose_parts_did_not_all_arrive_is_not_completed_and_freeze_keep
     assert server.completed() == set()
 
 
+def test_a_fetcher_completes_only_once_every_part_is_acknowledged(server):
+    """A fetch of 3 parts whose first two parts were acknowledged is not complete (the healthy
+    rank may not drop the state a third part still needs); the third ACK completes it."""
+    from lightning_ft.replica.catchup_wire import ACK, Part
+
+    state = {f"w{i}": torch.randn(1 << 10) for i in range(3)}  # 12 KB: fits the unread socket buffers
+    server.publish(4, state, {}, expected={"r1"})
+    socks = [socket.socketpair() for _ in range(3)]
+    try:
+        sends = [server._admit(4, "r1", Part("0badf00d", i, 3), a)[2] for i, (a, _) in enumerate(socks)]
+        for i, send in enumerate(sends):
+            server._serve(send, "0badf00d", lambda mac, n: None, lambda raw: None, lambda: ACK)
+            want = {"r1"} if i == 2 else set()
+            assert server.completed() == want, f"after {i + 1} of 3 acknowledged parts"
+        # a part that is refused (no ACK) never counts
+        server.publish(4, state, {}, expected={"r1"})
+        sends = [server._admit(4, "r1", Part("0badf00e", i, 2), a)[2] for i, (a, _) in enumerate(socks[:2])]
+        server._serve(sends[0], "0badf00e", lambda mac, n: None, lambda raw: None, lambda: ACK)
+        server._serve(sends[1], "0badf00e", lambda mac, n: None, lambda raw: None, lambda: b"")
+        assert server.completed() == set()
+    finally:
+        for a, b in socks:
+            a.close()
+            b.close()
+
+
 @pytest.mark.parametrize("tamper", [0, 2])
 def test_one_altered_part_ends_the_parallel_fetch_partial_and_nothing_is_acked(server, tamper):
     state = {f"w{i}": torch.randn(1 << 18) for i in range(3)}  # 3 MB in 3 parts of 1 MB
