@@ -349,6 +349,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
             run_dir=self._renv.run_dir, run_id=self._renv.run_id)
         self.mgr.on_commit = self._on_commit
+        self.mgr.set_scaler(getattr(self.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
         self.mgr.clip_catchup = self._clip_catchup
         resume = os.environ.get("LFT_RESUME")
         if resume:
