@@ -13,6 +13,8 @@ one JSON line per training batch end: {"event": "batch", "step": global_step, "l
     --clip X      : gradient_clip_val
     --amp16 S     : fp16 autocast with a GradScaler(init_scale=S, growth_interval=--growth-interval): Lightning's
                     MixedPrecision("16-mixed", "cpu") plugin (Lightning turns precision="16-mixed" into bf16 on CPU)
+    --save-every N: a ModelCheckpoint every N training steps into --ckpt-dir (save_top_k=-1)
+    --ckpt-path P : trainer.fit(model, ckpt_path=P)
     --overflow-at : global steps at which replica (DDP: rank) --overflow-replica multiplies its loss by 1e38 (its local
                     gradients overflow; the averaged ones then do on every replica)
 """
@@ -178,6 +180,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--growth-interval", type=int, default=3)
     p.add_argument("--overflow-at", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     p.add_argument("--overflow-replica", type=int, default=1)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--ckpt-dir", default="")
+    p.add_argument("--ckpt-path", default=None)
     p.add_argument("--exit-before-training", type=int, default=-99,
                    help="this replica exits with code 1 before its first step (a crash loop)")
     a = p.parse_args(argv)
@@ -194,6 +199,11 @@ def main(argv: list[str]) -> int:
         if a.lr_mode:
             callbacks.append(LRIntervention(a.lr_mode))
     plugins = []
+    if a.save_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=a.ckpt_dir, every_n_train_steps=a.save_every, save_top_k=-1,
+                                         filename="{step}"))
     if a.amp16:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -202,10 +212,10 @@ def main(argv: list[str]) -> int:
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=a.steps, plugins=plugins,
                         accumulate_grad_batches=1 if a.manual else a.accumulate, callbacks=callbacks,
                         gradient_clip_val=a.clip,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=False, enable_checkpointing=bool(a.save_every), enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=os.environ.get("LFT_RUN_DIR", "."),
                         use_distributed_sampler=not a.ddp)
-    trainer.fit(MLP(a))
+    trainer.fit(MLP(a), ckpt_path=a.ckpt_path)
     return 0
 
 
