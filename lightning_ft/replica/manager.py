@@ -261,6 +261,9 @@ class ReplicaManager:
         """Ask the job to stop (reported with every round until a round carries it)."""
         self.on_retry: Optional[Callable[[StepPlan], None]] = None
         """Called when a round's commit failed (the step is retried in a new round)."""
+        self.scaler: Optional[Any] = None
+        """fp16 loss scaling (`replica/scaler.py::ReplicaScaler`, set by `set_scaler`): its skip
+        decision is taken in the commit on the averaged gradients, the same on every replica."""
         self.clip_catchup: Optional[Callable[[], None]] = None
         """Applied to the averaged gradients before a catch-up's optimizer step, on every rank
         after the vote: what a contributor's `after_exchange` does to them (gradient clipping),
@@ -288,6 +291,22 @@ class ReplicaManager:
         return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
                    secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
                    **kw)
+
+    def set_scaler(self, scaler: Any) -> None:
+        """Scale the loss with this `torch.amp.GradScaler` (the caller's backward multiplies the
+        loss by its scale); the manager unscales the averaged gradients, skips overflowed steps
+        on every replica alike, updates the scale, and carries it in catch-up and checkpoints."""
+        from lightning_ft.replica.scaler import ReplicaScaler
+
+        self.scaler = ReplicaScaler(scaler) if scaler is not None else None
+
+    def _any_rank(self, flag: bool) -> bool:
+        """OR of `flag` over the replica's ranks (every rank calls it)."""
+        if self.pg is None and self.world == 1:
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return bool(t.item())
 
     @property
     def is_leader(self) -> bool:
@@ -727,6 +746,8 @@ class ReplicaManager:
             # A retry recomputes when it can; only a caller that cannot (manual optimization)
             # pays for a saved copy of its local gradients.
             vote = self.exchange(plan, save_grads=recompute is None)
+            if vote == OK and self.scaler is not None:
+                self.scaler.unscale(self.optimizer)  # before clipping and the user's hooks, as Lightning does
             if vote == OK and after_exchange is not None:
                 after_exchange()
             if self.commit(vote):
@@ -782,6 +803,7 @@ class ReplicaManager:
             "step": self.step,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def _publish_snapshot(self, q: Quorum) -> None:
@@ -824,6 +846,8 @@ class ReplicaManager:
             g.update(saved)
         if self.scheduler is not None and meta.get("scheduler") is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler is not None and meta.get("scaler") is not None:
+            self.scaler.load_state_dict(meta["scaler"])
         self.stats.catchup_s = time.perf_counter() - t0
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
         self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
@@ -912,6 +936,8 @@ class ReplicaManager:
             g.update(saved)
         if self.scheduler is not None and extra.get("schedulers") is not None:
             self.scheduler.load_state_dict(extra["schedulers"])
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
         self.step = int(got["meta"]["step"])
         return got["meta"]
 
@@ -941,6 +967,8 @@ class ReplicaManager:
             raise ReplicaStateLost(f"replica {self.rid}: a catch-up failed midway; the state is partly overwritten, "
                                    "so this replica exits to restart fresh")
         if result != OK:
+            if self.scaler is not None:
+                self.scaler.reset()
             self.optimizer.zero_grad(set_to_none=True)
             self._cursor_stale = True
             self.stats.retries += 1
@@ -948,17 +976,24 @@ class ReplicaManager:
             if self.on_retry is not None:
                 self.on_retry(plan)
             return False
+        if plan.role == "catchup" and self.scaler is not None:
+            self.scaler.unscale(self.optimizer)  # the contributors unscaled these averaged gradients too
         if plan.role == "catchup" and self.clip_catchup is not None:
             self.clip_catchup()  # the contributors clipped these averaged gradients too
         self.stats.freeze_s = self.server.freeze()
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = g["lr"] * plan.lr_factor
-        try:
-            self.optimizer.step()
-        finally:
-            for g, lr in zip(self.optimizer.param_groups, saved):
-                g["lr"] = lr
+        # fp16: an inf/NaN in the averaged gradients skips the step on every rank of every replica
+        skip = self.scaler.overflowed(self._any_rank) if self.scaler is not None else False
+        if not skip:
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * plan.lr_factor
+            try:
+                self.optimizer.step()
+            finally:
+                for g, lr in zip(self.optimizer.param_groups, saved):
+                    g["lr"] = lr
+        if self.scaler is not None:
+            self.scaler.update(skip)
         self.optimizer.zero_grad(set_to_none=True)
         q = plan.quorum
         self.step, self.gen, self.synced = plan.step + 1, q.gen, True
@@ -1017,7 +1052,8 @@ class ReplicaManager:
             self._digest = None
             return
         t0 = time.perf_counter()
-        named = {**self.state_tensors(), **hyperparameters(self.optimizer)}  # the learning rate too
+        named = {**self.state_tensors(), **hyperparameters(self.optimizer),  # the learning rate too
+                 **(self.scaler.digest_tensors() if self.scaler is not None else {})}  # and the loss scale
         self._digest = (self.step, fast_digest(sorted(named.items())))
         self.stats.digest_s = time.perf_counter() - t0
 

@@ -50,6 +50,7 @@ class ReplicaCheckpoints:
                 "quorum": {"round": q.round, "epoch": q.epoch, "members": list(q.members),
                            "contributors": list(q.contributors)}}
         extra = {"step": mgr.step, "schedulers": schedulers.state_dict(),
+                 "scaler": mgr.scaler.state_dict() if mgr.scaler is not None else None,
                  "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         self.writer.protect = q.verified_step
         stats = self.writer.save(mgr.step, model, optimizer, extra, meta)

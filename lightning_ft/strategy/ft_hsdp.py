@@ -127,6 +127,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """(dataset, collate_fn) of the train loader: batch_policy "constant" builds absent slots'
         batches from it by sample index."""
         self._extra_losses: list[float] = []
+        self._resume_point: Any = None
+        """trainer.fit(ckpt_path=...): where the checkpoint puts the job (strategy/resume.py)."""
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -349,6 +351,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
             run_dir=self._renv.run_dir, run_id=self._renv.run_id)
         self.mgr.on_commit = self._on_commit
+        self.mgr.set_scaler(getattr(self.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
         self.mgr.clip_catchup = self._clip_catchup
         resume = os.environ.get("LFT_RESUME")
         if resume:
@@ -513,6 +516,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
             return
         # Sync, catch-up and rewind rounds before any batch (no wasted compute, and accumulation
         # or manual optimization never trains on stale weights).
+        if self._resume_point is not None:  # the job continues at the checkpoint's step, from one state
+            from lightning_ft.strategy.resume import ResumeError, begin
+
+            try:
+                begin(self.mgr, self._resume_point, self.mgr.broadcast)
+            except ResumeError as e:
+                raise FTHSDPError(str(e)) from None
+            self._resume_point = None
         t0 = time.perf_counter()
         res = self.mgr.prepare()
         self._set_lightning_step(self.mgr.step, in_batch=False)
@@ -655,7 +666,26 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         if self.is_checkpoint_writer:
+            if self.mgr is not None and self.mgr.last_plan is not None and self.global_rank == 0:
+                from lightning_ft.strategy.resume import KEY, describe
+
+                checkpoint[KEY] = describe(self.mgr)  # the job's data position, for fit(ckpt_path=...)
             super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        """A `.ckpt` file (any strategy's, DDP's included) or a distributed checkpoint directory;
+        under fit, the job then continues at its step (strategy/resume.py)."""
+        from lightning_ft.strategy.resume import ResumeError, load, point_of
+
+        try:
+            checkpoint = load(self, checkpoint_path, weights_only,
+                              lambda: super(FTHSDPStrategy, self).load_checkpoint(checkpoint_path, weights_only))
+            if self.mgr is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                self._resume_point = point_of(checkpoint, self.num_replicas, str(checkpoint_path))
+        except ResumeError as e:
+            raise FTHSDPError(str(e)) from None
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -56,7 +56,9 @@ def write_final(mgr: Any, model: torch.nn.Module, optimizer: Any, rank: int, rec
     if rank == 0:
         with open(os.path.join(replica_dir(mgr.rid), "final.json"), "w") as f:
             json.dump({"rid": mgr.rid, "incarnation": mgr.incarnation, "step": mgr.step, "gen": mgr.gen,
-                       "cursor": mgr.cursor, "digest": digests, "recomputes": recomputes}, f)
+                       "cursor": mgr.cursor, "digest": digests, "recomputes": recomputes,
+                       "scaler": mgr.scaler.state_dict() if mgr.scaler is not None else None,
+                       "amp_skipped": mgr.scaler.skipped if mgr.scaler is not None else 0}, f)
 
 
 def metrics(mgr: Any, num_replicas: int) -> dict[str, float]:

@@ -11,6 +11,12 @@ one JSON line per training batch end: {"event": "batch", "step": global_step, "l
     --decay       : a LambdaLR whose rate changes at every step (1 / (1 + step / 20))
     --unseeded    : no seed: replicas start from different weights (the strategy must sync them)
     --clip X      : gradient_clip_val
+    --amp16 S     : fp16 autocast with a GradScaler(init_scale=S, growth_interval=--growth-interval): Lightning's
+                    MixedPrecision("16-mixed", "cpu") plugin (Lightning turns precision="16-mixed" into bf16 on CPU)
+    --save-every N: a ModelCheckpoint every N training steps into --ckpt-dir (save_top_k=-1)
+    --ckpt-path P : trainer.fit(model, ckpt_path=P)
+    --overflow-at : global steps at which replica (DDP: rank) --overflow-replica multiplies its loss by 1e38 (its local
+                    gradients overflow; the averaged ones then do on every replica)
 """
 from __future__ import annotations
 
@@ -60,6 +66,9 @@ class MLP(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
+        who = self.global_rank if self.a.ddp else int(os.environ.get("LFT_REPLICA_ID", "-1"))
+        if self.trainer.global_step in self.a.overflow_at and who == self.a.overflow_replica:
+            loss = loss * 1e38  # finite in fp32; times the loss scale it is inf
         if self.a.step_sleep:
             time.sleep(self.a.step_sleep)
         mgr = getattr(self.trainer.strategy, "mgr", None)
@@ -85,6 +94,14 @@ class MLP(L.LightningModule):
             row = {"event": "batch", "step": self.trainer.global_step, "loss": loss,
                    "lr": self.trainer.optimizers[0].param_groups[0]["lr"], "applied_lr": self.applied_lr,
                    "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            if scaler is not None:
+                p = next(self.parameters())
+                p = p.to_local() if hasattr(p, "to_local") else p
+                row.update(scale=scaler.get_scale(), growth=int(scaler._get_growth_tracker()),
+                           psum=float(p.detach().double().sum()), finite=all(
+                               bool(torch.isfinite(q.to_local() if hasattr(q, "to_local") else q).all())
+                               for q in self.parameters()))
             mgr = getattr(self.trainer.strategy, "mgr", None)
             if mgr is not None and mgr.last_plan is not None:
                 row.update(contributors=list(mgr.last_plan.quorum.contributors), lr_factor=mgr.last_plan.lr_factor,
@@ -159,6 +176,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stop-replica", type=int, default=0, help="... in this replica only")
     p.add_argument("--unseeded", action="store_true", help="no torch.manual_seed: every replica inits differently")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    p.add_argument("--amp16", type=float, default=0.0, help="fp16 autocast + GradScaler(init_scale=...) on CPU")
+    p.add_argument("--growth-interval", type=int, default=3)
+    p.add_argument("--overflow-at", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
+    p.add_argument("--overflow-replica", type=int, default=1)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--ckpt-dir", default="")
+    p.add_argument("--ckpt-path", default=None)
     p.add_argument("--exit-before-training", type=int, default=-99,
                    help="this replica exits with code 1 before its first step (a crash loop)")
     a = p.parse_args(argv)
@@ -174,13 +198,24 @@ def main(argv: list[str]) -> int:
         callbacks.append(FailureInjector())
         if a.lr_mode:
             callbacks.append(LRIntervention(a.lr_mode))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=a.steps,
+    plugins = []
+    if a.save_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=a.ckpt_dir, every_n_train_steps=a.save_every, save_top_k=-1,
+                                         filename="{step}"))
+    if a.amp16:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(
+            "cpu", init_scale=a.amp16, growth_interval=a.growth_interval)))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=a.steps, plugins=plugins,
                         accumulate_grad_batches=1 if a.manual else a.accumulate, callbacks=callbacks,
                         gradient_clip_val=a.clip,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=False, enable_checkpointing=bool(a.save_every), enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=os.environ.get("LFT_RUN_DIR", "."),
                         use_distributed_sampler=not a.ddp)
-    trainer.fit(MLP(a))
+    trainer.fit(MLP(a), ckpt_path=a.ckpt_path)
     return 0
 
 
