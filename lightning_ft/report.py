@@ -289,29 +289,28 @@ def markdown(summary: dict) -> str:
                      f"| {f['healthy_stall_s']} |")
     if not summary["failures"]:
         lines.append("| - | - | none | - | - | - |")
-    rewinds = summary.get("rewinds") or []
-    lines += ["", "## Rewinds", ""]
-    if rewinds:
-        lines += ["Every replica holding the newest state was down at once; the job went back to the best state",
-                  "that existed (steps after it were trained again and count as lost in the ETT).", "",
-                  "| from step | to step | source | lost steps |", "|---|---|---|---|"]
-        for r in rewinds:
-            lines.append(f"| {r['from']} | {r['to']} | {r['checkpoint'] or 'a surviving replica or step 0'} | "
-                         f"{r['lost_steps']} |")
-    else:
-        lines.append("none")
-    slow = summary.get("stragglers") or []
-    lines += ["", "## Stragglers", ""]
-    if slow:
-        lines += ["A replica whose compute per step (mean over its last `window` steps) was `ratio` times the",
-                  "median of the others' (coord/stragglers.py). Under `exclude` it sat out until `until round`.", "",
-                  "| replica | at step | ratio | window | policy | until round |", "|---|---|---|---|---|---|"]
-        for e in slow:
-            lines.append(f"| {e['replica']} | {e['step']} | {e['ratio']} | {e['window']} | {e['policy']} | "
-                         f"{e['until_round'] if e['until_round'] is not None else '-'} |")
-    else:
-        lines.append("none")
+    lines += _table("Rewinds", ["Every replica holding the newest state was down at once; the job went back to the "
+                                "best state", "that existed (steps after it were trained again and count as lost in "
+                                "the ETT)."],
+                    ["from step", "to step", "source", "lost steps"],
+                    [[r["from"], r["to"], r["checkpoint"] or "a surviving replica or step 0", r["lost_steps"]]
+                     for r in summary.get("rewinds") or []])
+    lines += _table("Stragglers", ["A replica whose compute per step (mean over its last `window` steps) was `ratio` "
+                                   "times the", "median of the others' (coord/stragglers.py). Under `exclude` it sat "
+                                   "out until `until round`."],
+                    ["replica", "at step", "ratio", "window", "policy", "until round"],
+                    [[e["replica"], e["step"], e["ratio"], e["window"], e["policy"],
+                      "-" if e["until_round"] is None else e["until_round"]] for e in summary.get("stragglers") or []])
     return "\n".join(lines) + "\n"
+
+
+def _table(title: str, intro: list[str], header: list[str], rows: list[list]) -> list[str]:
+    """A markdown section: the title, then `intro` and the table, or "none" without rows."""
+    out = ["", f"## {title}", ""]
+    if not rows:
+        return out + ["none"]
+    out += intro + ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
 
 
 def report(run_dir: str, png: bool = True) -> dict:
