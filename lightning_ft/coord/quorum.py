@@ -368,12 +368,12 @@ def compute_quorum(
         valid.pop(rid)
 
     # Rule 14: stragglers.
-    flagged, slow_victim, slow = stragglers.decide(
+    flagged, slow_out, slow = stragglers.decide(
         round, {r: (rep.compute_ms, rep.compute_round) for r, rep in valid.items()}, tuple(sorted(valid)),
         previous.slow if previous is not None else (), job.straggler_threshold, job.straggler_policy,
         job.min_replicas)
-    if slow_victim is not None:
-        valid.pop(slow_victim)
+    if slow_out is not None:
+        valid.pop(slow_out[0])
 
     # Rule 4: min_replicas.
     if len(valid) < job.min_replicas:
@@ -474,8 +474,7 @@ def compute_quorum(
         notes.append(f"excluded {_names(excluded)} after {STRIKES} failed ring rounds (partition)")
     if flagged:
         notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)" for r, x in sorted(flagged.items()))
-                     + (f"; r{slow_victim} sits out until round {dict((e[0], e[1]) for e in slow)[slow_victim]}"
-                        if slow_victim is not None else ""))
+                     + (f"; r{slow_out[0]} sits out until round {slow_out[1]}" if slow_out is not None else ""))
     reason = (f"round {round} epoch {epoch}: {len(members)}/{job.replicas} replicas [{_names(members)}] ({change}); "
               f"max_step {max_step}")
     if lagging:
@@ -494,9 +493,8 @@ def compute_quorum(
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
                quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members))
-    victim_entry = next((e for e in slow if e[0] == slow_victim), None) if slow_victim is not None else None
     return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
-                    excluded_straggler=victim_entry)
+                    excluded_straggler=slow_out)
 
 
 def _newest(valid: Mapping[int, Report], usable: Mapping[int, int], top: int) -> int:

@@ -64,9 +64,9 @@ def flag(compute_ms: Mapping[int, float], threshold: float) -> dict[int, float]:
 
 def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple[int, ...], slow_before: tuple,
            threshold: float, policy: str, min_replicas: int
-           ) -> tuple[dict[int, float], Optional[int], tuple[tuple[int, int, int], ...]]:
-    """One round's straggler decision: (flagged replicas and their ratios, the one to exclude
-    now or None, the new `Quorum.slow` list of (rid, until_round, exclusions)).
+           ) -> tuple[dict[int, float], Optional[tuple[int, int, int]], tuple[tuple[int, int, int], ...]]:
+    """One round's straggler decision: (flagged replicas and their ratios, the (rid,
+    until_round, exclusions) of the one excluded now or None, the new `Quorum.slow` list).
 
     `measures` maps the round's valid members (after rule 5) to (compute_ms, the round of the
     newest step measured); `slow_before` is the previous round's `Quorum.slow`. A measure older
@@ -87,7 +87,8 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
         if r in entries and r != victim and r not in flagged and compute_ms.get(r, -1.0) > 0 \
                 and entries[r][0] <= round:
             del entries[r]
-    return flagged, victim, tuple(sorted((r, until, k) for r, (until, k) in entries.items()))
+    excluded_now = (victim, *entries[victim]) if victim is not None else None
+    return flagged, excluded_now, tuple(sorted((r, until, k) for r, (until, k) in entries.items()))
 
 
 def excluded(round: int, slow: tuple) -> set[int]:

@@ -302,11 +302,15 @@ class ReplicaManager:
 
     def _any_rank(self, flag: bool) -> bool:
         """OR of `flag` over the replica's ranks (every rank calls it)."""
+        return bool(self._reduce_ranks(int(bool(flag)), dist.ReduceOp.MAX))
+
+    def _reduce_ranks(self, value: int, op: Any) -> int:
+        """`value` reduced with `op` over the replica's ranks (every rank calls it)."""
         if self.pg is None and self.world == 1:
-            return bool(flag)
-        t = torch.tensor([int(bool(flag))], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
-        return bool(t.item())
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int32)
+        dist.all_reduce(t, op=op, group=self.pg)
+        return int(t.item())
 
     @property
     def is_leader(self) -> bool:
@@ -1035,11 +1039,7 @@ class ReplicaManager:
                 self.event("disowned", steps=[recs[0][0], recs[-1][0]])
 
     def _vote(self, vote: int) -> int:
-        if self.pg is None and self.world == 1:
-            return int(vote)
-        t = torch.tensor([int(vote)], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
-        return int(t.item())
+        return self._reduce_ranks(vote, dist.ReduceOp.MIN)
 
     # -- the divergence guard ------------------------------------------------------------------------
     def digest_due(self, step: int) -> bool:
