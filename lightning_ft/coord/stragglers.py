@@ -16,7 +16,8 @@ What the round does with it is the policy (`stragglers.policy`):
   (in `Quorum.slow`, beside rule 5's quarantine), so the others train at their own pace;
   its slot's batches wait (exactly once holds), and it rejoins as lagging: a catch-up, then
   it trains and is measured afresh. One that is measured within the threshold after it
-  came back is forgiven (k resets). At most one replica is excluded per round, and never
+  came back, and is not flagged for a probation's length of rounds, is forgiven (k resets):
+  one good window of a replica throttled in bursts must not reset its backoff. At most one replica is excluded per round, and never
   one that would leave fewer than `min_replicas` members.
 """
 from __future__ import annotations
@@ -83,9 +84,9 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
         victim = max(r for r, x in flagged.items() if x == top)  # the slowest; ties: the highest id
         k = entries.get(victim, (0, 0))[1]
         entries[victim] = (round + PROBATION_ROUNDS * 2 ** k, k + 1)
-    for r in members:  # measured within the threshold since it came back: forgiven
+    for r in members:  # back for a probation's length without being flagged, and measured within: forgiven
         if r in entries and r != victim and r not in flagged and compute_ms.get(r, -1.0) > 0 \
-                and entries[r][0] <= round:
+                and entries[r][0] + PROBATION_ROUNDS <= round:
             del entries[r]
     excluded_now = (victim, *entries[victim]) if victim is not None else None
     return flagged, excluded_now, tuple(sorted((r, until, k) for r, (until, k) in entries.items()))

@@ -63,6 +63,10 @@ def test_a_measure_from_before_the_probation_does_not_count_and_a_good_one_forgi
     assert flagged == {} and victim is None and slow == slow_before  # kept: not yet measured again
     fresh = {0: (10.0, 180), 1: (10.0, 180), 2: (11.0, 179)}
     flagged, victim, slow = stragglers.decide(180, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
+    assert flagged == {} and victim is None and slow == slow_before  # good, but not yet for a probation's length
+    later = 165 + PROBATION_ROUNDS
+    fresh = {0: (10.0, later), 1: (10.0, later), 2: (11.0, later - 1)}
+    flagged, victim, slow = stragglers.decide(later, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
     assert flagged == {} and victim is None and slow == ()  # forgiven
 
 
