@@ -203,6 +203,7 @@ class OneSidedRx(RxLink):
         self.peer, self.epoch, self.C = peer, epoch, len(payload) // 2
         self.payload, self._headers, self._mismatch = payload, headers, mismatch
         self.win = RxWindow(epoch, len(payload))
+        self._credits_lost: Optional[str] = None
 
     def _poll_rx(self, timeout_s: float) -> None:
         """Default: doorbells arrive on the side channel."""
@@ -241,14 +242,18 @@ class OneSidedRx(RxLink):
             self.win.release(slot)
         except ProtocolError as e:
             raise _protocol(self.peer, e) from None
+        if self._credits_lost is not None:
+            return
         try:
             self._credit(slot, imm)
         except RecoverableError as e:
-            # The chunk is ours already; only the link's future is lost. A sender that got
-            # its last credit's worth finishes and may close before we return this one (the
-            # last chunk of an all-reduce): failing here would fail a completed all-reduce.
-            # Any later recv on this link raises the loss.
-            self.win.peer_lost(str(e))
+            # The chunk is ours already. A sender that has posted its last chunk of an
+            # all-reduce is done and may close before we return the credits of the chunks
+            # it wrote (up to a window's worth still waiting in our slots). Those chunks are
+            # good: later receives take them, and a chunk that never lands meets the closed
+            # side channel in `_poll_rx` (EOF) and fails there. So neither this chunk nor
+            # the window fails here; we only stop returning credits.
+            self._credits_lost = str(e)
 
     def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
         dest.view(torch.uint8).copy_(self.recv(want, timeout_s)[:want.nbytes])

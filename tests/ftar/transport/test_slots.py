@@ -219,34 +219,40 @@ def test_random_interleavings_deliver_every_chunk_once_in_order_without_overrun(
 
 
 def test_a_credit_the_closed_sender_cannot_take_does_not_fail_the_chunk_already_received():
-    """The last chunk of an all-reduce: the sender, done, may close its link before the
-    receiver returns that chunk's credit (CI: BrokenPipe in `release` failed a completed
-    shm all-reduce). The received chunk stands; the next receive on the link raises."""
+    """The last chunks of an all-reduce: the sender, done once it has posted them, may close
+    its link before the receiver has taken them and returned their credits (CI: BrokenPipe in
+    `release` failed a completed shm all-reduce; then marking the link lost failed the next
+    chunk, which had landed already: a 4-ring's survivor hung in test_engine). Chunks that
+    landed are taken; only a chunk that never lands fails, at the closed side channel."""
     import socket
 
     import torch
 
     from lightning_ft.ftar.transport.base import HEADER_SIZE, ChunkHeader, RecoverableError
     from lightning_ft.ftar.transport.onesided import OneSidedRx, imm_of
+    from lightning_ft.ftar.transport.slots import slot_of
 
     ours, theirs = socket.socketpair()
-    payload = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
-    headers = [memoryview(bytearray(HEADER_SIZE)) for _ in range(2)]
+    payload = [torch.zeros(64, dtype=torch.uint8) for _ in range(4)]
+    headers = [memoryview(bytearray(HEADER_SIZE)) for _ in range(4)]
 
     def mismatch(got, want):
         raise AssertionError(f"mismatch {got} != {want}")
 
     rx = OneSidedRx(ours, "peer", 1, payload, headers, mismatch)
     try:
-        want = ChunkHeader(1, 0, 1, 0, 0, 0, 0, 0, 64, 16)
-        headers[0][:HEADER_SIZE] = want.pack()
-        payload[0].fill_(7)
-        assert rx.win.landed(0, imm_of(want))
-        assert rx.recv(want, 1.0)[0] == 7
-        theirs.close()  # the sender finished and went away
-        rx.release(want)  # must not raise: the chunk was taken
-        nxt = ChunkHeader(1, 0, 1, 0, 0, 1, 0, 0, 64, 16)
-        with pytest.raises(RecoverableError):
-            rx.recv(nxt, 1.0)
+        chunks = [ChunkHeader(1, 0, 1, 0, 0, j, 0, 0, 64, 16) for j in range(3)]  # ring steps 0, 1, 2
+        for j in (0, 1):  # the sender wrote two chunks, then finished and went away
+            slot = slot_of(j, 0, 2)
+            headers[slot][:HEADER_SIZE] = chunks[j].pack()
+            payload[slot].fill_(7 + j)
+            assert rx.win.landed(slot, imm_of(chunks[j]))
+        theirs.close()
+        assert rx.recv(chunks[0], 1.0)[0] == 7
+        rx.release(chunks[0])  # must not raise: the chunk was taken
+        assert rx.recv(chunks[1], 1.0)[0] == 8  # landed before the close: still ours
+        rx.release(chunks[1])
+        with pytest.raises(RecoverableError, match="closed|lost"):
+            rx.recv(chunks[2], 1.0)  # never landed: the closed side channel says so
     finally:
         rx.close()
