@@ -436,9 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         ok = (not timed_out and not halted and injected >= a.faults and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
               and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
-        if not ok and not a.keep:  # what went wrong is in there: keep it for whoever looks next
+        if not ok:  # what went wrong is in there (the ledger is in etcd's data): keep it for whoever looks next
             keep_dir = tmp
-            log(f"the soak failed; its run directory is kept at {run_dir} (events.jsonl, launcher.*.log, logs/)")
+            log(f"the soak failed; its run directory is kept at {run_dir} (events.jsonl, launcher.*.log, logs/), "
+                f"etcd's data at {os.path.join(tmp, 'etcd')}")
         return 0 if ok else 1
     finally:
         job.kill_all()

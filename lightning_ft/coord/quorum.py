@@ -371,7 +371,7 @@ def compute_quorum(
     flagged, slow_out, slow = stragglers.decide(
         round, {r: (rep.compute_ms, rep.compute_round) for r, rep in valid.items()}, tuple(sorted(valid)),
         previous.slow if previous is not None else (), job.straggler_threshold, job.straggler_policy,
-        job.min_replicas)
+        job.min_replicas, job.replicas)
     if slow_out is not None:
         valid.pop(slow_out[0])
 

@@ -17,8 +17,12 @@ What the round does with it is the policy (`stragglers.policy`):
   its slot's batches wait (exactly once holds), and it rejoins as lagging: a catch-up, then
   it trains and is measured afresh. One that is measured within the threshold after it
   came back, and is not flagged for a probation's length of rounds, is forgiven (k resets):
-  one good window of a replica throttled in bursts must not reset its backoff. At most one replica is excluded per round, and never
-  one that would leave fewer than `min_replicas` members.
+  one good window of a replica throttled in bursts must not reset its backoff. At most one
+  replica is excluded per round, never one that would leave fewer than `min_replicas`
+  members, and at most `max_excluded(R)` = max(1, (R-1)//2) sit out at once, so a majority of
+  the job keeps training. Without that cap, load that slows replicas in turn (a shared host)
+  excluded them in turn: a 100-fault soak under `exclude` trained most of its steps on one
+  replica of three while the other two sat out doubling probations.
 """
 from __future__ import annotations
 
@@ -63,8 +67,14 @@ def flag(compute_ms: Mapping[int, float], threshold: float) -> dict[int, float]:
             if x >= threshold and compute_ms[r] > middle and compute_ms[r] - compute_ms[r] / x >= MIN_EXCESS_MS}
 
 
+def max_excluded(replicas: int) -> int:
+    """How many replicas may sit out a straggler probation at once: a minority of the job, and
+    one even for two replicas (then `min_replicas` decides)."""
+    return max(1, (replicas - 1) // 2)
+
+
 def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple[int, ...], slow_before: tuple,
-           threshold: float, policy: str, min_replicas: int
+           threshold: float, policy: str, min_replicas: int, replicas: int
            ) -> tuple[dict[int, float], Optional[tuple[int, int, int]], tuple[tuple[int, int, int], ...]]:
     """One round's straggler decision: (flagged replicas and their ratios, the (rid,
     until_round, exclusions) of the one excluded now or None, the new `Quorum.slow` list).
@@ -73,13 +83,15 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
     newest step measured); `slow_before` is the previous round's `Quorum.slow`. A measure older
     than the replica's return from probation does not count (it was made before it sat out).
     Entries whose probation is over stay (their count k) until the replica is measured within
-    the threshold, which forgives it."""
+    the threshold, which forgives it. `replicas` is the job's R (`max_excluded`)."""
     entries = {rid: (until, k) for rid, until, k in slow_before}
     compute_ms = {r: ms for r, (ms, at) in measures.items()
                   if r in members and (r not in entries or at >= entries[r][0])}
     flagged = flag(compute_ms, threshold)
     victim: Optional[int] = None
-    if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas):
+    sitting_out = sum(1 for until, _ in entries.values() if round < until)
+    if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas) \
+            and sitting_out < max_excluded(replicas):
         top = max(flagged.values())
         victim = max(r for r, x in flagged.items() if x == top)  # the slowest; ties: the highest id
         k = entries.get(victim, (0, 0))[1]

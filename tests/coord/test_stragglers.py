@@ -40,46 +40,75 @@ def test_flag_by_threshold(compute, threshold, want):
     assert sorted(stragglers.flag(compute, threshold)) == want
 
 
+R = 3
+"""The job's replicas in the tables below (members (0, 1, 2))."""
+
+
 def M(**ms):
     """Measures at round 100: {rid: (ms, 100)}."""
     return {int(k[1:]): (float(v), 100) for k, v in ms.items()}
 
 
 def test_exclude_takes_the_slowest_for_a_probation_that_doubles():
-    flagged, victim, slow = stragglers.decide(101, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, EXCLUDE, 1)
+    flagged, victim, slow = stragglers.decide(101, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, EXCLUDE, 1, R)
     assert stragglers.MIN_EXCESS_MS <= 30
     assert sorted(flagged) == [2] and victim == (2, 101 + PROBATION_ROUNDS, 1) and slow == (victim,)
     # back after its probation, measured slow again (a measure newer than its return): twice as long
     back = 101 + PROBATION_ROUNDS
     measures = {0: (10.0, back + 9), 1: (10.0, back + 9), 2: (40.0, back + 9)}
-    _, victim, slow = stragglers.decide(back + 10, measures, (0, 1, 2), slow, 1.3, EXCLUDE, 1)
+    _, victim, slow = stragglers.decide(back + 10, measures, (0, 1, 2), slow, 1.3, EXCLUDE, 1, R)
     assert victim == (2, back + 10 + 2 * PROBATION_ROUNDS, 2) and slow == (victim,)
 
 
 def test_a_measure_from_before_the_probation_does_not_count_and_a_good_one_forgives():
     slow_before = ((2, 165, 1),)
     stale = {0: (10.0, 170), 1: (10.0, 170), 2: (40.0, 160)}  # r2 has not trained since it came back
-    flagged, victim, slow = stragglers.decide(170, stale, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
+    flagged, victim, slow = stragglers.decide(170, stale, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1, R)
     assert flagged == {} and victim is None and slow == slow_before  # kept: not yet measured again
     fresh = {0: (10.0, 180), 1: (10.0, 180), 2: (11.0, 179)}
-    flagged, victim, slow = stragglers.decide(180, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
+    flagged, victim, slow = stragglers.decide(180, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1, R)
     assert flagged == {} and victim is None and slow == slow_before  # good, but not yet for a probation's length
     later = 165 + PROBATION_ROUNDS
     fresh = {0: (10.0, later), 1: (10.0, later), 2: (11.0, later - 1)}
-    flagged, victim, slow = stragglers.decide(later, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1)
+    flagged, victim, slow = stragglers.decide(later, fresh, (0, 1, 2), slow_before, 1.3, EXCLUDE, 1, R)
     assert flagged == {} and victim is None and slow == ()  # forgiven
 
 
 def test_wait_only_reports_and_min_replicas_keeps_the_straggler_in():
-    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, WAIT, 1)
+    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, WAIT, 1, R)
     assert sorted(flagged) == [2] and victim is None and slow == ()
-    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, EXCLUDE, 3)
+    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40), (0, 1, 2), (), 1.3, EXCLUDE, 3, R)
     assert sorted(flagged) == [2] and victim is None and slow == ()
 
 
 def test_ties_exclude_the_highest_id_and_only_one_per_round():
-    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40, r3=40), (0, 1, 2, 3), (), 1.3, EXCLUDE, 1)
+    flagged, victim, slow = stragglers.decide(5, M(r0=10, r1=10, r2=40, r3=40), (0, 1, 2, 3), (), 1.3, EXCLUDE, 1, 4)
     assert sorted(flagged) == [2, 3] and victim[0] == 3 and [e[0] for e in slow] == [3]
+
+
+@pytest.mark.parametrize("replicas, cap", [(1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (6, 2), (7, 3), (12, 5)])
+def test_a_minority_of_the_job_sits_out_at_most(replicas, cap):
+    assert stragglers.max_excluded(replicas) == cap
+
+
+def test_no_second_exclusion_while_the_cap_is_reached_and_one_again_once_a_probation_ends():
+    """The soak under `exclude` on a loaded host: r2 sits out; r0 and r1, slowed in turn by
+    the same load, must not follow it (the job would train on one replica of three)."""
+    on_probation = ((2, 150, 1),)
+    flagged, victim, slow = stragglers.decide(120, M(r0=10, r1=40), (0, 1), on_probation, 1.3, EXCLUDE, 1, 3)
+    assert sorted(flagged) == [1] and victim is None and slow == on_probation  # reported, kept in
+    # five replicas: two may sit out at once, not three
+    one_out = ((4, 150, 1),)
+    flagged, victim, slow = stragglers.decide(120, M(r0=10, r1=10, r2=10, r3=40), (0, 1, 2, 3), one_out, 1.3,
+                                              EXCLUDE, 1, 5)
+    assert victim == (3, 120 + PROBATION_ROUNDS, 1) and slow == (victim, (4, 150, 1))
+    two_out = ((3, 150, 1), (4, 150, 1))
+    flagged, victim, slow = stragglers.decide(120, M(r0=10, r1=10, r2=40), (0, 1, 2), two_out, 1.3, EXCLUDE, 1, 5)
+    assert sorted(flagged) == [2] and victim is None and slow == two_out
+    # r2's probation is over (round 150): r1 may now be excluded; r2, back, is not yet forgiven
+    flagged, victim, slow = stragglers.decide(151, M(r0=10, r1=40, r2=10), (0, 1, 2), on_probation, 1.3, EXCLUDE, 1,
+                                              3)
+    assert victim == (1, 151 + PROBATION_ROUNDS, 1) and slow == ((1, 151 + PROBATION_ROUNDS, 1), (2, 150, 1))
 
 
 # -- rule 14 in compute_quorum ------------------------------------------------------------------
