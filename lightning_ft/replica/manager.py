@@ -1020,10 +1020,11 @@ class ReplicaManager:
             self.on_state_replaced(plan)
         return True
 
-    def flush_ledger(self) -> None:
+    def flush_ledger(self) -> bool:
         """Record the unrecorded commits in the ledger and advance the cursors (leader;
         idempotent). The write is fenced: an evicted incarnation, or one whose lease lapsed,
-        records nothing."""
+        records nothing. Returns whether the ledger knows every step this replica committed
+        (False once a write was refused, until a catch-up or sync replaces the state)."""
         with self._ledger_lock:
             recs, self._unrecorded = self._unrecorded, []
         if recs and self.is_leader:
@@ -1037,6 +1038,7 @@ class ReplicaManager:
                             "lapsed): the others may have redone them without us, so this replica adopts a "
                             "member's state before it trains again", self.rid, recs[0][0], recs[-1][0])
                 self.event("disowned", steps=[recs[0][0], recs[-1][0]])
+        return not self._disowned
 
     def _vote(self, vote: int) -> int:
         return self._reduce_ranks(vote, dist.ReduceOp.MIN)

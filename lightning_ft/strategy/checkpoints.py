@@ -2,7 +2,10 @@
 
 Every `checkpoint.every_n_steps` committed steps the lowest-id contributor writes one
 (asynchronously: the step waits only for an in-memory copy). The ledger record of the step
-is flushed first, so a checkpoint never holds a step the ledger does not know."""
+is flushed first, so a checkpoint never holds a step the ledger does not know: when the ledger
+refuses the writer's records (it was evicted, or its lease lapsed: `disowned`), no checkpoint
+is written. A rewind to such a checkpoint would restore a state, and cursors, past batches
+the ledger never recorded: the final history would miss them."""
 from __future__ import annotations
 
 import json
@@ -38,8 +41,12 @@ class ReplicaCheckpoints:
             return
         q = plan.quorum
         cursors = {}
+        recorded = mgr.flush_ledger() if rank == 0 else True
+        if not mgr.broadcast(recorded):  # every rank of the writer saves, or none does
+            log.warning("replica %d: no checkpoint at step %d: the ledger refused this replica's records",
+                        self.rid, mgr.step)
+            return
         if rank == 0:
-            mgr.flush_ledger()
             for slot in range(mgr.R):
                 if slot in q.contributors:
                     cursors[slot] = q.cursor_of(slot) + 1
