@@ -3,13 +3,15 @@
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R]
                       [--mtbf 18m | --mtbf-gpu 3y] [--detect S] [--restart S] [--catchup S]
                       [--step S] [--ckpt-every N] [--ckpt-cost S] [--stall S] [...]
-                      [--json] [--png plan.png | --no-png]
+                      [--json] [--png PATH | --no-png]
 
 Each input comes from, in order: a flag, the run directory (`--from-run`: measured by
 `measure_run` from what `lightning-ft run` left there), the preset, the defaults. The
 output names the source of every input, the ETT of ft_hsdp and of restart-the-world, what
 one failure costs in each, and a replica count; plan.png plots ETT against job size for
-both modes (per-GPU failure rate held) and ft_hsdp's ETT against the replica count.
+both modes (per-GPU failure rate held) and ft_hsdp's ETT against the replica count. The
+picture goes to `--png`, else into the run directory (`--from-run RUN_DIR/plan.png`), else to
+`runs/plan/plan.png` (`runs/` is ignored by git): never into the working directory itself.
 """
 from __future__ import annotations
 
@@ -302,6 +304,10 @@ def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_PNG = os.path.join("runs", "plan", "plan.png")
+"""The plot's path without `--png` or `--from-run`: under `runs/`, which git ignores."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=["paper"], help="the FT-HSDP paper's inputs (98304 GPUs, 12 replicas, ...)")
     p.add_argument("--from-run", metavar="RUN_DIR", help="measured inputs from a `lightning-ft run` directory")
@@ -330,8 +336,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tolerance", type=float, default=0.01, help="ETT the recommendation may give up for "
                                                                  "fewer replicas")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--png", default="plan.png", help="where to write the plot (default ./plan.png)")
+    p.add_argument("--png", default=None, help="where to write the plot (default: RUN_DIR/plan.png with "
+                                                 f"--from-run, else {DEFAULT_PNG})")
     p.add_argument("--no-png", action="store_true")
+
+
+def png_path(a: argparse.Namespace) -> str:
+    """Where the plot goes: `--png`, else the run directory of `--from-run`, else DEFAULT_PNG."""
+    if a.png:
+        return str(a.png)
+    if a.from_run:
+        return os.path.join(a.from_run, "plan.png")
+    return DEFAULT_PNG
 
 
 def run(a: argparse.Namespace) -> int:
@@ -352,12 +368,14 @@ def run(a: argparse.Namespace) -> int:
               "recommendation": rec.reason if rec else f"{inp.gpus} GPUs cannot be split into 2 or more replicas",
               "candidates": [asdict(c) for c in rec.candidates] if rec else [],
               "inputs": asdict(inp), "sources": src}
+    png = png_path(a)
     if not a.no_png:
-        plot(inp, rec.replicas if rec else None, memory, a.png, a.max_replicas)
-        result["png"] = a.png
+        os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+        plot(inp, rec.replicas if rec else None, memory, png, a.max_replicas)
+        result["png"] = png
     print(json.dumps(result) if a.json else text(inp, src, result))
     if not a.no_png and not a.json:
-        print(f"wrote {a.png}: ETT against GPUs for both modes, and against the replica count")
+        print(f"wrote {png}: ETT against GPUs for both modes, and against the replica count")
     return 0
 
 
