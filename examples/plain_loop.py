@@ -1,9 +1,9 @@
-"""A plain torch training loop on the framework-free replica core (DESIGN §5-§7).
+"""A plain torch training loop on the framework-free replica core (docs/ARCHITECTURE.md, "A step" to "Exactly once").
 
 Launched once per rank, by `lightning-ft run`, torchrun, srun or a test, with the
-environment of DESIGN §9 (see lightning_ft/launch/environment.py; the secret from
-LFT_SECRET_FILE or LFT_SECRET). Addresses come from the config's `network.*` (LFT_CONFIG). With WORLD_SIZE > 1 the replica runs FSDP2
-(`fully_shard`) over gloo, and FTAR exchanges each rank's gradient shard.
+environment of docs/ARCHITECTURE.md, "Launchers" (see lightning_ft/launch/environment.py; the secret from
+LFT_SECRET_FILE or LFT_SECRET). Addresses come from the config's `network.*` (LFT_CONFIG).
+With WORLD_SIZE > 1 the replica runs FSDP2 (`fully_shard`) over gloo, and FTAR exchanges each rank's gradient shard.
 
 The model is an MLP regressing a fixed random teacher on deterministic synthetic data; the
 batches come from the exactly-once slot stream. The leader prints one JSON line per
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(renv.config or None, a.set)
     rid, R, inc, rank, world = renv.replica_id, renv.num_replicas, renv.incarnation, renv.rank, renv.world_size
     torch.set_num_threads(1)
-    # Slow init first (DESIGN §6): model, data, process group; register only afterwards.
+    # Slow init first (docs/ARCHITECTURE.md, "Catch-up"): model, data, process group; register only afterwards.
     pg = None
     model = build_model(a)
     if world > 1:

@@ -1,4 +1,4 @@
-"""Tests for lightning_ft/config.py: defaults, YAML, overrides and the error messages (DESIGN §10)."""
+"""Tests for lightning_ft/config.py: defaults, YAML, overrides and the error messages (README.md, "Configuration")."""
 from __future__ import annotations
 
 import ast

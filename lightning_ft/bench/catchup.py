@@ -1,4 +1,4 @@
-"""Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (DESIGN §6).
+"""Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (docs/ARCHITECTURE.md, "Catch-up").
 
     python -m lightning_ft.bench.catchup [--mb 100 400] [--clients 1 2] [--streams 1 4] [--iters 3]
                                          [--peer-iters 1] [--netns]

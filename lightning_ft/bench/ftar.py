@@ -1,5 +1,5 @@
 """FTAR (tcp and shm links) against torch.distributed gloo all_reduce over TCP, in the same
-processes (DESIGN §4).
+processes (docs/ARCHITECTURE.md, "The device data plane": the CPU path).
 
     python -m lightning_ft.bench.ftar [--ranks 2 4] [--size-mb 16 64 256] [--iters 5]
                                       [--transports tcp shm]

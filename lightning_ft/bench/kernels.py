@@ -1,4 +1,4 @@
-"""Benchmark of the FTAR data-plane kernels (DESIGN §4 data plane).
+"""Benchmark of the FTAR data-plane kernels (docs/ARCHITECTURE.md, "The device data plane").
 
 Measures, on one GPU:
 - GB/s of the Triton copy and reduce (few programs, persistent loop) next to their torch peers

@@ -1,4 +1,4 @@
-"""Quorum latency against a real etcd (DESIGN §3).
+"""Quorum latency against a real etcd (docs/ARCHITECTURE.md, "The quorum").
 
     python -m lightning_ft.bench.quorum [--leaders 2 4 8 16] [--rounds 50] [--etcd HOST:PORT]
 

@@ -1,4 +1,4 @@
-"""Control-plane latency of an R x W job, up to 100K ranks, on this machine (DESIGN §3).
+"""Control-plane latency of an R x W job, up to 100K ranks, on this machine (docs/ARCHITECTURE.md, "The quorum").
 
     python -m lightning_ft.bench.scale [--replicas 2 4 8 12 16 32 64] [--ranks 8 128 1024 8192]
                                        [--rounds 30] [--step-s 0.2] [--probe-world 2 4 8]

@@ -1,4 +1,4 @@
-"""The coordination store: one small key-value contract, two implementations (DESIGN §3).
+"""The coordination store: one small key-value contract, two implementations (docs/ARCHITECTURE.md, "Keyspace").
 
 `EtcdStore` (etcd_store.py) talks to a real etcd v3 cluster through etcd-sdk-python's gRPC
 stubs, failing over between members; `store_from_config(cfg.etcd)` (etcd_config.py) builds one

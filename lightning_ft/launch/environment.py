@@ -1,4 +1,4 @@
-"""Who this process is in the job, from whatever started it (DESIGN §9, docs/ARCHITECTURE.md
+"""Who this process is in the job, from whatever started it (docs/ARCHITECTURE.md,
 "Launchers"): `lightning-ft run`, torchrun, srun, or any launcher that sets our variables.
 
 Pure: `replica_env(environ)` maps an environment to a `ReplicaEnv`; `replica_variables`

@@ -1,4 +1,5 @@
-"""The launcher's side of etcd (DESIGN §3, §9): what `lightning-ft run` does about it.
+"""The launcher's side of etcd (README.md, "etcd"; docs/ARCHITECTURE.md, "Launch and
+supervision"): what `lightning-ft run` does about it.
 
 - Without an endpoint it starts an embedded cluster of `etcd.members` members on loopback
   (1 by default; 3 survive the loss of any one) and restarts a member that dies, on its data,

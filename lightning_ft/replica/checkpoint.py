@@ -1,4 +1,4 @@
-"""Persistent checkpoints for whole-job restarts (DESIGN §8).
+"""Persistent checkpoints for whole-job restarts (docs/ARCHITECTURE.md, "Checkpoints").
 
 Layout of `{checkpoint_dir}/step_{n:08d}/`:
 - `__{rank}_0.distcp` + `.metadata`: model and optimizer state, sharded, via

@@ -1,4 +1,4 @@
-"""Exactly-once data (DESIGN §7): slot streams, cursors advanced at commit, the ledger.
+"""Exactly-once data (docs/ARCHITECTURE.md, "Exactly once"): slot streams, cursors advanced at commit, the ledger.
 
 The global order of batches is split round-robin over the R replica *slots*: batch k of
 slot s is global batch k·R + s. Slot s's cursor (the next batch index) advances only when

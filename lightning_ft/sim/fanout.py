@@ -1,5 +1,5 @@
-"""The model of a replica leader's quorum fan-out to its W ranks (DESIGN §3, "Only leaders
-talk to etcd"), as pure functions.
+"""The model of a replica leader's quorum fan-out to its W ranks (docs/ARCHITECTURE.md, "A step":
+only the leader talks to etcd, then broadcasts), as pure functions.
 
 The leader hands the round's quorum to its ranks with `dist.broadcast_object_list` over the
 replica's gloo group: the pickled message's size goes out in one broadcast, its bytes in a

@@ -1,4 +1,4 @@
-"""Measure the quorum fan-out on real gloo processes on this machine (DESIGN §3).
+"""Measure the quorum fan-out on real gloo processes on this machine (docs/ARCHITECTURE.md, "A step", 1).
 
 `probe(world, message)` starts `world` processes on loopback that form a gloo group, as a
 replica's ranks do, and times three broadcasts from rank 0, each many times:

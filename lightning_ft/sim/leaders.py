@@ -1,5 +1,5 @@
 """Shadow replicas: R real replica leaders against a real etcd, with the GPU work shadowed
-(DESIGN §3; the control-plane half of `python -m lightning_ft.bench.scale`).
+(docs/ARCHITECTURE.md, "The quorum"; the control-plane half of `python -m lightning_ft.bench.scale`).
 
 Each leader is a thread running the coordinator exactly as a replica leader does, through
 its public API: `Coordinator(...)`, `.register(step, addrs, state_addrs)`, then per step

@@ -1,4 +1,5 @@
-"""`lightning-ft plan`: the goodput planner (DESIGN §11; the model is sim/goodput.py).
+"""`lightning-ft plan`: the goodput planner (README.md, "Planning a job: `lightning-ft plan`";
+the model is sim/goodput.py).
 
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R]
                       [--mtbf 18m | --mtbf-gpu 3y] [--detect S] [--restart S] [--catchup S]

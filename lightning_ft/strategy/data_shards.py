@@ -1,5 +1,5 @@
 """How a train stream is split over the job's slots and a replica's ranks (docs/ARCHITECTURE.md,
-"Exactly once: streams"; DESIGN §7).
+"Exactly once: streams").
 
 Process p = slot * W + rank of the job's R * W reads its own part of the stream:
 

@@ -1,4 +1,4 @@
-"""Exactly-once training from stream loaders (docs/ARCHITECTURE.md, "Exactly once: streams"; DESIGN §7).
+"""Exactly-once training from stream loaders (docs/ARCHITECTURE.md, "Exactly once: streams").
 
 A train loader over an `IterableDataset` has no sample index, so the strategy cannot build
 its batches as it does for map-style datasets (sampler.py). Instead each rank keeps the

@@ -1,4 +1,4 @@
-"""Tests for the catch-up transport (lightning_ft/replica/catchup.py, DESIGN §6)."""
+"""Tests for the catch-up transport (lightning_ft/replica/catchup.py, docs/ARCHITECTURE.md "Catch-up")."""
 from __future__ import annotations
 
 import hashlib

@@ -1,7 +1,8 @@
 """The replica core end to end: real processes, a real etcd, the plain torch loop.
 
-Invariants asserted (DESIGN §5): replicas bitwise identical after every committed step, and
-every batch trained exactly once (the commits/ ledger is an exact partition)."""
+Invariants asserted (docs/ARCHITECTURE.md, "Invariants and where they are tested"): replicas
+bitwise identical after every committed step, and every batch trained exactly once (the
+commits/ ledger is an exact partition)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """The plain loop under the real Supervisor with injected failures (kill, hang, exception):
-the supervisor evicts and restarts, restarted replicas catch up, and the DESIGN §5
-invariants hold at the end."""
+the supervisor evicts and restarts, restarted replicas catch up, and the invariants hold at
+the end (docs/ARCHITECTURE.md, "Invariants and where they are tested")."""
 from __future__ import annotations
 
 import pytest

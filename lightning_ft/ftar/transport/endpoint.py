@@ -1,4 +1,4 @@
-"""One rank's FTAR endpoint: listener, authenticated handshake, per-link kind choice (DESIGN §4).
+"""One rank's FTAR endpoint: listener, authenticated handshake, per-link kind choice (docs/ARCHITECTURE.md, "Security").
 
 Each epoch we dial the right neighbour (our TxLink) and the left neighbour dials us (our
 RxLink). Every link starts as a TCP connection with this handshake (length-prefixed
