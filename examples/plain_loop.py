@@ -187,7 +187,8 @@ def main(argv: list[str]) -> int:
                          secret=secret.resolve(cfg.secret), etcd=renv.etcd, rank=rank, world=world, pg=pg,
                          lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
                          ftar_connect_timeout_s=cfg.ftar.connect_timeout_s,
-                         lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4, digest_every=a.digest_every,
+                         lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4,
+                         digest_every=a.digest_every,
                          run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
                          advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers)
     mgr.start()

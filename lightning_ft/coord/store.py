@@ -125,7 +125,7 @@ class Store(ABC):
     def revision(self) -> int:
         """The current store revision."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a store without connections or threads keeps this no-op
         """Release connections and threads."""
 
 

@@ -17,8 +17,8 @@ What the round does with it is the policy (`stragglers.policy`):
   its slot's batches wait (exactly once holds), and it rejoins as lagging: a catch-up, then
   it trains and is measured afresh. One that is measured within the threshold after it
   came back, and is not flagged for a probation's length of rounds, is forgiven (k resets):
-  one good window of a replica throttled in bursts must not reset its backoff. At most one replica is excluded per round, and never
-  one that would leave fewer than `min_replicas` members.
+  one good window of a replica throttled in bursts must not reset its backoff. At most one
+  replica is excluded per round, and never one that would leave fewer than `min_replicas` members.
 """
 from __future__ import annotations
 

@@ -77,9 +77,11 @@ class EtcdKeeper:
         return {PASSWORD_ENV: pw} if pw and pw != REDACTED else {}
 
     def _probe_loop(self) -> None:
+        probe = self._probe
+        assert probe is not None  # the loop starts after the probe store is made
         while not self._stop.wait(PROBE_INTERVAL_S):
             try:
-                self._probe.revision()
+                probe.revision()
                 self._last_ok = time.monotonic()
             except StoreError:
                 pass

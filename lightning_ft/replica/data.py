@@ -231,8 +231,11 @@ def verify_ledger(store: Store, root: str, cursors: Optional[Mapping[int, int]] 
     cursor defaults to one past the last batch trained."""
     ranges, rewinds, by_gen = _history(store, root)
     base = {int(s): int(k) for s, k in rewinds.get(0, {}).get("cursors", {}).items()}
-    conflicts, trained, steps, superseded = [], {}, 0, 0
-    duplicates, gaps = [], []
+    conflicts: list[str] = []
+    trained: dict[int, list[int]] = {}
+    steps, superseded = 0, 0
+    duplicates: list[tuple[int, int]] = []
+    gaps: list[tuple[int, int]] = []
     for g in sorted(ranges):
         lo, hi = ranges[g]
         for n in sorted(by_gen.get(g, {})):

@@ -17,7 +17,7 @@ quorum. Nothing here does I/O; bench/scale.py measures the inputs and validates 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -107,7 +107,7 @@ def sample_fanout(size: int, model: HopModel, message_bytes: int, n: int,
     return out
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
+def percentile(xs: Iterable[float], q: float) -> float:
     """The q-quantile (0..1) by the nearest-rank rule, as the benchmarks report it."""
     s = sorted(xs)
     if not s:

@@ -23,6 +23,7 @@ import re
 import statistics
 import sys
 from dataclasses import asdict, fields
+from itertools import pairwise
 from typing import Any, Optional
 
 from lightning_ft.sim.goodput import (PAPER, Inputs, Memory, at_scale, candidate_counts, goodput, recommend,
@@ -73,7 +74,7 @@ def count(text: str) -> float:
 def _primary_failures(events: list[dict]) -> list[dict]:
     """One record per failed (replica, incarnation): when it failed and when it was evicted.
     A world restart's evictions of the healthy replicas are consequences, not failures."""
-    out: dict[tuple[int, int], dict] = {}
+    out: dict[tuple[Optional[int], Optional[int]], dict] = {}
     for e in events:
         key = (e.get("replica"), e.get("incarnation"))
         if e["event"] in ("exit", "hang") and (e["event"] == "hang" or e.get("code") not in (0, None)):
@@ -155,7 +156,7 @@ def measure_run(run_dir: str) -> dict[str, Any]:
         for r in rows:
             ctb[r["step"]] = len(r.get("contributors") or range(R))
         commits = report.commit_times(data)
-        gaps = [b[0] - a[0] for a, b in zip(commits, commits[1:])
+        gaps = [b[0] - a[0] for a, b in pairwise(commits)
                 if b[1] == a[1] + 1 and ctb.get(a[1], R) < R and ctb.get(b[1], R) < R]
         if gaps:
             out["degraded_step_s"] = statistics.fmean(gaps)
@@ -287,6 +288,7 @@ def _fmt(v: Any) -> str:
 
 def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
     g = goodput(inp)
+    world_restart_s = inp.restart_s if inp.world_restart_s is None else inp.world_restart_s
     lines = [f"lightning-ft plan: {inp.gpus} GPUs as {inp.replicas} replicas x {inp.ranks_per_replica:g}, "
              f"a failure every {human(inp.mtbf_job_s)}", "", f"  {'input':<18} {'value':>12}  source"]
     for f in fields(Inputs):
@@ -294,7 +296,7 @@ def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
         lines.append(f"  {f.name:<18} {'-' if v is None else _fmt(v):>12}  {src[f.name]}")
     lines += ["", "effective training time (work done / fault-free work rate):",
               f"  restart-the-world  {g.restart_ett:.3f}  a failure costs {g.restart_lost_s:.4g} s: detection "
-              f"{inp.detect_s:.4g} + restart {inp.restart_s if inp.world_restart_s is None else inp.world_restart_s:.4g}"
+              f"{inp.detect_s:.4g} + restart {world_restart_s:.4g}"
               f" + {inp.rollback:.4g} steps redone x {inp.step_s:.4g} s",
               f"  ft_hsdp            {g.ft_ett:.3f}  a failure costs {g.ft_lost_s:.4g} s: a {g.ft_stall_s:.4g} s full "
               f"stall, then {g.ft_degraded_s:.4g} s at {inp.replicas - 1}/{inp.replicas} replicas"

@@ -97,7 +97,7 @@ def test_measure_run_reads_every_time_of_an_ft_run(tmp_path):
 
 
 def test_measure_run_reads_a_world_restart(tmp_path):
-    tk = world_run(str(tmp_path))
+    world_run(str(tmp_path))
     m = plan.measure_run(str(tmp_path))
     assert m["mode"] == "restart" and m["failures"] == 1  # the healthy replica's eviction is no failure
     assert m["detect_s"] == pytest.approx(0.1)
