@@ -204,6 +204,10 @@ def test_wrong_job_is_refused(transport):
         text = " ".join(str(e) for e in errors.values())
         assert "another job, or a wrong job secret" in text and "'a'" not in text and "'b'" not in text, \
             "the peer learns neither job name"
+        # The acceptor notes its refusal as it closes the connection: the dialer may fail first.
+        deadline = time.monotonic() + 5.0
+        while not any("job mismatch" in r for f in fs for r in f.transport.refusals) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert any("job mismatch" in r for f in fs for r in f.transport.refusals), "our own log says why"
     finally:
         close_all(fs)
