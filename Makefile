@@ -1,10 +1,10 @@
-# lightning-ft: the two README commands are `make demo` and `make test`.
+# lightning-ft: the two README commands are `make demo` and `make test`; `make check` is the inner loop.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-slow soak demo demo-quorum bench study study-smoke clean
+.PHONY: venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean
 
 venv: $(STAMP)
 
@@ -25,7 +25,17 @@ $(STAMP): pyproject.toml
 	print('venv: torch', torch.__version__, 'litdata', litdata.__version__, 'torchdata', torchdata.__version__, 'no torchvision')"
 	touch $(STAMP)
 
-test: venv
+# ruff and mypy, configured in pyproject.toml; zero findings is the bar.
+lint: venv
+	$(BIN)/ruff check
+	$(BIN)/mypy
+
+# The inner loop (3 minutes or less): pure and unit tests, no real etcd or processes
+# (tests/conftest.py marks those `integration`).
+check: venv
+	$(BIN)/python -m pytest -q -m 'not slow and not integration' --durations=10
+
+test: venv lint
 	$(BIN)/python -m pytest -q --durations=30
 
 test-slow: venv
@@ -59,4 +69,4 @@ study-smoke: venv
 	$(BIN)/python -m lightning_ft.study configs/study_smoke.yaml --out $(STUDY_OUT) --fresh
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,9 @@
-"""A plain torch training loop on the framework-free replica core (DESIGN §5-§7).
+"""A plain torch training loop on the framework-free replica core (docs/ARCHITECTURE.md, "A step" to "Exactly once").
 
 Launched once per rank, by `lightning-ft run`, torchrun, srun or a test, with the
-environment of DESIGN §9 (see lightning_ft/launch/environment.py; the secret from
-LFT_SECRET_FILE or LFT_SECRET). Addresses come from the config's `network.*` (LFT_CONFIG). With WORLD_SIZE > 1 the replica runs FSDP2
-(`fully_shard`) over gloo, and FTAR exchanges each rank's gradient shard.
+environment of docs/ARCHITECTURE.md, "Launchers" (see lightning_ft/launch/environment.py; the secret from
+LFT_SECRET_FILE or LFT_SECRET). Addresses come from the config's `network.*` (LFT_CONFIG).
+With WORLD_SIZE > 1 the replica runs FSDP2 (`fully_shard`) over gloo, and FTAR exchanges each rank's gradient shard.
 
 The model is an MLP regressing a fixed random teacher on deterministic synthetic data; the
 batches come from the exactly-once slot stream. The leader prints one JSON line per
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(renv.config or None, a.set)
     rid, R, inc, rank, world = renv.replica_id, renv.num_replicas, renv.incarnation, renv.rank, renv.world_size
     torch.set_num_threads(1)
-    # Slow init first (DESIGN §6): model, data, process group; register only afterwards.
+    # Slow init first (docs/ARCHITECTURE.md, "Catch-up"): model, data, process group; register only afterwards.
     pg = None
     model = build_model(a)
     if world > 1:
@@ -187,7 +187,8 @@ def main(argv: list[str]) -> int:
                          secret=secret.resolve(cfg.secret), etcd=renv.etcd, rank=rank, world=world, pg=pg,
                          lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
                          ftar_connect_timeout_s=cfg.ftar.connect_timeout_s,
-                         lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4, digest_every=a.digest_every,
+                         lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4,
+                         digest_every=a.digest_every,
                          run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
                          advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers)
     mgr.start()

@@ -151,7 +151,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model = GPT(d=a.d, layers=a.layers, context=a.context, lr=a.lr, steps=a.steps, batch=a.batch)
-    trainer = L.Trainer(strategy=a.strategy, accelerator=a.accelerator, max_steps=a.steps, val_check_interval=a.val_every,
+    trainer = L.Trainer(strategy=a.strategy, accelerator=a.accelerator, max_steps=a.steps,
+                        val_check_interval=a.val_every,
                         check_val_every_n_epoch=None, limit_val_batches=4, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
                         default_root_dir=os.environ.get("LFT_RUN_DIR", "."))

@@ -1,4 +1,4 @@
-"""The FT config of a Hydra app: an `ft:` node in the app's own config (DESIGN §10).
+"""The FT config of a Hydra app: an `ft:` node in the app's own config (README.md, "Hydra apps").
 
 A Hydra app (`@hydra.main`) may carry lightning-ft's config as a node `ft:` of its config, with
 the schema of `configs/default.yaml`, validated by the same dataclasses (`FTConfig`). Precedence,
@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_ft.config import ConfigError, FTConfig, load_config
@@ -65,7 +65,7 @@ def parse_app_config(text: str, where: str) -> AppConfig:
         cfg = OmegaConf.create(text)
     except (OmegaConfBaseException, ValueError) as e:  # yaml errors are ValueErrors here
         raise ConfigError(f"{where}: the printed config is not a YAML mapping: {str(e).splitlines()[0]}") from None
-    if not OmegaConf.is_dict(cfg):
+    if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{where}: the printed config is not a YAML mapping")
     keys = [str(k) for k in cfg.keys()]
     if FT_NODE not in cfg:
@@ -77,6 +77,8 @@ def parse_app_config(text: str, where: str) -> AppConfig:
             f"{where}: node {FT_NODE!r} cannot be resolved before the replicas start: {str(e).splitlines()[0]}. "
             "Interpolations into Hydra's runtime (${hydra:...}) are only known inside each process; "
             f"give those {FT_NODE}.* values literally or on the command line") from None
+    if ft is not None and not isinstance(ft, dict):
+        raise ConfigError(f"{where}: node {FT_NODE!r} is not a mapping of config keys: {ft!r}")
     return AppConfig(keys, ft)
 
 

@@ -1,4 +1,4 @@
-"""Tests for lightning_ft/config.py: defaults, YAML, overrides and the error messages (DESIGN §10)."""
+"""Tests for lightning_ft/config.py: defaults, YAML, overrides and the error messages (README.md, "Configuration")."""
 from __future__ import annotations
 
 import ast
@@ -74,9 +74,9 @@ def test_every_config_field_has_a_docstring_right_below_it():
                 if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                         and isinstance(nxt.value.value, str)):
                     undocumented.append(f"{cls.name}.{stmt.target.id}")
-    assert sorted(c.name for c in classes) == ["CheckpointConfig", "ConsistencyConfig", "DataConfig", "EtcdConfig", "FTARConfig",
-                                               "FTConfig", "FailureConfig", "FailureEvent", "NetworkConfig",
-                                               "QuorumConfig", "StragglersConfig", "SupervisorConfig"]
+    assert sorted(c.name for c in classes) == ["CheckpointConfig", "ConsistencyConfig", "DataConfig", "EtcdConfig",
+                                               "FTARConfig", "FTConfig", "FailureConfig", "FailureEvent",
+                                               "NetworkConfig", "QuorumConfig", "StragglersConfig", "SupervisorConfig"]
     assert undocumented == []
 
 
@@ -107,7 +107,8 @@ def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
     cfg = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2"])
     assert fingerprint(cfg) == {"job": "exp7", "replicas": 4, "nproc_per_replica": 2, "min_replicas": 2,
                                 "chunk_bytes": 4 << 20, "num_chunks": 4, "bucket_bytes": 4 << 20, "seed": 0,
-                                "lr_intervention": "sqrt", "digest_every": cfg.consistency.every_n_steps, "checkpoint_every": 100,
+                                "lr_intervention": "sqrt", "digest_every": cfg.consistency.every_n_steps,
+                                "checkpoint_every": 100,
                                 "batch_policy": "shrink", "stragglers": "wait 1.3 10"}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                    "run_dir=/tmp/x", "ftar.timeout_s=9", "etcd.lease_ttl_s=2"])
@@ -360,7 +361,8 @@ def test_min_replicas_above_replicas_is_rejected():
         ("checkpoint.keep=0", "checkpoint.keep=0: must be >= 1"),
         ("failure.mtbf_steps=-5", "failure.mtbf_steps=-5.0: must be >= 0"),
         ("job=a/b", "job='a/b': must be non-empty letters"),
-        ("failure.events=[{replica: 3, step: 1}]", "failure.events.0.replica=3: must be between 0 and replicas - 1 (2)"),
+        ("failure.events=[{replica: 3, step: 1}]",
+         "failure.events.0.replica=3: must be between 0 and replicas - 1 (2)"),
         ("failure.events=[{replica: 0, step: 1, kind: boom}]", "failure.events.0.kind='boom': allowed values"),
         ("failure.events=[{replica: 0}]", "failure.events.0.step is required"),
     ],

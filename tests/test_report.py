@@ -20,7 +20,8 @@ def write_run(d, replicas=3, steps=60, kill=(1, 20), back_after_s=6.0):
     t_kill = T0 + 2.0 + step_k * STEP
     events = [{"t": T0, "event": "start", "replica": r, "incarnation": 0} for r in range(replicas)]
     events += [{"t": t_kill, "event": "exit", "replica": rid_k, "incarnation": 0, "code": -9},
-               {"t": t_kill + 0.01, "event": "evict", "replica": rid_k, "incarnation": 0, "reason": "rank 0 exited with -9"},
+               {"t": t_kill + 0.01, "event": "evict", "replica": rid_k, "incarnation": 0,
+                "reason": "rank 0 exited with -9"},
                {"t": t_kill + 0.5, "event": "restart", "replica": rid_k, "incarnation": 1}]
     for r in range(replicas):
         events.append({"t": T0 + 2.0 + steps * STEP + 0.2, "event": "exit", "replica": r,

@@ -1,4 +1,4 @@
-"""Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (DESIGN §6).
+"""Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (docs/ARCHITECTURE.md, "Catch-up").
 
     python -m lightning_ft.bench.catchup [--mb 100 400] [--clients 1 2] [--streams 1 4] [--iters 3]
                                          [--peer-iters 1] [--netns]
@@ -8,9 +8,10 @@ This process publishes an fp32 state of M MB (four large tensors and a 0-dim ste
 time with `fetch_state`, over each of the `--streams` settings (parallel connections; 1 is
 the serial fetch of before issue 25), alternating round by round so that they are compared
 under the same machine load. `--netns`: the clients run in a network namespace and reach
-the server through a veth and a bridge (needs root; see bench/netns.py). The peer is the naive path: the server pickles the same state with
-`torch.save` into a BytesIO per request and sends it over a plain TCP socket; the client
-receives it whole, `torch.load`s it (weights_only) and copies it into its tensors.
+the server through a veth and a bridge (needs root; see bench/netns.py). The peer is the
+naive path: the server pickles the same state with `torch.save` into a BytesIO per request
+and sends it over a plain TCP socket; the client receives it whole, `torch.load`s it
+(weights_only) and copies it into its tensors.
 One JSON line per case, from the median of `iters` timed rounds after one warm-up (the peer:
 median of `peer_iters` rounds, no warm-up; it is 10x slower and would dominate the run time):
     {"bench": "catchup", "state_mb": M, "clients": N, "net": "loopback" | "netns", "streams": S,
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO
 
 import torch
 
@@ -131,12 +133,18 @@ class _PeerServer:
         self.sock.close()
 
 
+def _stdout(p: subprocess.Popen) -> IO[str]:
+    assert p.stdout is not None  # the clients run with stdout=PIPE
+    return p.stdout
+
+
 def _round(clients: list[subprocess.Popen], command: str) -> float:
     """Send one command to every client at once; the slowest client's seconds."""
     for p in clients:
+        assert p.stdin is not None  # stdin=PIPE
         p.stdin.write(command + "\n")
         p.stdin.flush()
-    results = [json.loads(p.stdout.readline()) for p in clients]
+    results = [json.loads(_stdout(p).readline()) for p in clients]
     return max(r["seconds"] for r in results)
 
 
@@ -149,7 +157,7 @@ def _start_clients(address: str, n: int, host=None) -> list[subprocess.Popen]:
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for i in range(n)]
     for p in clients:
-        line = p.stdout.readline()
+        line = _stdout(p).readline()
         if not line:
             raise RuntimeError(f"bench client pid {p.pid} exited at start (rc {p.wait()})")
     return clients
@@ -223,7 +231,8 @@ def _bench(args: argparse.Namespace, host, bind: str) -> None:
                     peer.close()
     finally:
         for p in clients:
-            p.stdin.close()  # EOF ends the client loop
+            if p.stdin is not None:
+                p.stdin.close()  # EOF ends the client loop
         for p in clients:
             try:
                 p.wait(10)

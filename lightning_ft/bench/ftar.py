@@ -1,5 +1,5 @@
 """FTAR (tcp and shm links) against torch.distributed gloo all_reduce over TCP, in the same
-processes (DESIGN §4).
+processes (docs/ARCHITECTURE.md, "The device data plane": the CPU path).
 
     python -m lightning_ft.bench.ftar [--ranks 2 4] [--size-mb 16 64 256] [--iters 5]
                                       [--transports tcp shm]
@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 import torch
 
@@ -54,7 +55,7 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], iters: int,
         for mb in sizes_mb:
             numel = int(mb * (1 << 20)) // 4
             x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-            times = {"ftar": [], "gloo": []}
+            times: dict[str, list[float]] = {"ftar": [], "gloo": []}
             for it in range(iters + 1):
                 order = ("ftar", "gloo") if it % 2 == 0 else ("gloo", "ftar")
                 for name in order:
@@ -84,7 +85,7 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], iters: int,
 
 
 def run(ranks: int, sizes_mb: list[float], iters: int, geoms: list[tuple[int, int]],
-        transports: list[str] = ("tcp",), timeout_s: float = 900) -> int:
+        transports: Sequence[str] = ("tcp",), timeout_s: float = 900) -> int:
     from lightning_ft.coord.etcd_server import free_port
 
     port = free_port()

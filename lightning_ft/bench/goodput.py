@@ -15,7 +15,8 @@ fault-free step time is the median step while every replica contributes, in that
 Each run's line also has `predicted_ett`: the goodput model (`lightning-ft plan`,
 sim/goodput.py) fed with the detection, restart, catch-up, stall, failure interval,
 checkpoint cost and the survivors' step time measured in that run, and
-`predicted_ett_same_speed`: the same with the survivors stepping at the fault-free rate. Prints one line per run and then
+`predicted_ett_same_speed`: the same with the survivors stepping at the fault-free rate.
+Prints one line per run and then
 
     {"bench": "goodput", "failures": ..., "ft_ett": ..., "ft_predicted_ett": ...,
      "restart_ett": ..., "restart_predicted_ett": ..., ...}

@@ -83,14 +83,16 @@ def _ring(n: int, **kw) -> list:
     fs = [FTAR("gpu-check", r, 0, "gpu-check-secret", timeout_s=30, **kw) for r in range(n)]
     addrs = [f.address for f in fs]
     ts = [threading.Thread(target=f.reconfigure, args=(1, addrs, i)) for i, f in enumerate(fs)]
-    [t.start() for t in ts]
-    [t.join(30) for t in ts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
     return fs
 
 
 def _allreduce(fs, xs, divisor=None) -> float:
     t0 = time.perf_counter()
-    for w in [f.allreduce([x], divisor=divisor) for f, x in zip(fs, xs)]:
+    for w in [f.allreduce([x], divisor=divisor) for f, x in zip(fs, xs, strict=True)]:
         w.wait(120)
     return time.perf_counter() - t0
 
@@ -110,7 +112,8 @@ def ftar_device_path(ftar_mb: int) -> bool:
             xs, ys = [b.cuda() for b in base], [b.clone() for b in base]
             _allreduce(dev, xs, 2.0)
             _allreduce(cpu, ys, 2.0)
-            bitwise = all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)) for x, y in zip(xs, ys))
+            bitwise = all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8))
+                          for x, y in zip(xs, ys, strict=True))
             st = dev[0].staging(xs[0].device)
             kernels_ok = st.kernels.name == "triton" or not triton_available()
             emit(check="ftar_device_path", dtype=str(dtype).removeprefix("torch."), bitwise_vs_cpu_path=bitwise,
@@ -192,7 +195,8 @@ def replicas_job() -> bool:
         pids = {r["pid"] for r in rows}
         on_gpu = {r["pid"] for r in rows if r["path"] == "device" and r["device"].startswith("cuda") and r["pinned"]}
         device_path = len(pids) >= 3 and on_gpu == pids
-        emit(check="replicas_kill_rejoin", rc=p.returncode, identical=identical, wall_s=round(time.perf_counter() - t0, 1),
+        emit(check="replicas_kill_rejoin", rc=p.returncode, identical=identical,
+             wall_s=round(time.perf_counter() - t0, 1),
              steps=[f["step"] for f in finals], device_path=device_path,
              ftar_paths=sorted({(r["replica"], r["path"], r["device"], r["kernels"]) for r in rows}),
              processes=len({r["pid"] for r in rows}), tail=(p.stdout + p.stderr)[-400:] if p.returncode else "")

@@ -1,4 +1,4 @@
-"""Benchmark of the FTAR data-plane kernels (DESIGN §4 data plane).
+"""Benchmark of the FTAR data-plane kernels (docs/ARCHITECTURE.md, "The device data plane").
 
 Measures, on one GPU:
 - GB/s of the Triton copy and reduce (few programs, persistent loop) next to their torch peers
@@ -18,6 +18,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -57,7 +58,8 @@ def buffers(size_mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {name: torch.randn(n, device="cuda").to(dtype) for name in ("out", "out2", "recv", "local")}
 
 
-def op_calls(op: str, b: dict[str, torch.Tensor], num_programs: int) -> tuple[Callable[[], None], Callable[[], None]]:
+def op_calls(op: str, b: dict[str, torch.Tensor], num_programs: int) -> tuple[Callable[[], object],
+                                                                                  Callable[[], object]]:
     """The Triton call and its torch peer for one op; both leave their result in b["out"]."""
     from lightning_ft.ops import triton_ops
 
@@ -104,7 +106,7 @@ def matmul_ms(matmuls: Callable[[], None], stream: torch.cuda.Stream) -> tuple[f
     return start.elapsed_time(end) / MATMULS_PER_TRIAL, start
 
 
-def matmul_beside(peer: Callable[[], None], peer_ms: float, alone_ms: float, matmuls: Callable[[], None],
+def matmul_beside(peer: Callable[[], object], peer_ms: float, alone_ms: float, matmuls: Callable[[], None],
                   mm_stream: torch.cuda.Stream, peer_stream: torch.cuda.Stream) -> tuple[float, bool]:
     """ms per matmul while peer loops on peer_stream, and whether the peer outlasted the matmuls."""
     reps = math.ceil(3 * MATMULS_PER_TRIAL * alone_ms / peer_ms) + 1  # ~3x the matmul batch
@@ -135,7 +137,8 @@ def bench_matmul_slowdown(programs: list[int], iters: int) -> None:
     matmul_ms(matmuls, mm_stream)  # warm up cuBLAS
     alone_ms = statistics.median(matmul_ms(matmuls, mm_stream)[0] for _ in range(TRIALS))
     b = buffers(PEER_MB, torch.bfloat16)
-    peers = [("triton_reduce", p, op_calls("reduce", b, p)[0]) for p in programs]
+    peers: list[tuple[str, Optional[int], Callable[[], object]]] = [
+        ("triton_reduce", p, op_calls("reduce", b, p)[0]) for p in programs]
     peers.append(("torch_add", None, op_calls("reduce", b, 1)[1]))
     for name, num_programs, peer in peers:
         peer_ms = time_ms(peer, iters)

@@ -39,6 +39,7 @@ class Replica:
             p = subprocess.Popen([sys.executable, LOOP, *job.args, *job.extra.get((rid, inc), [])], env=env,
                                  stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
             self.procs.append(p)
+        assert self.procs[0].stdout is not None  # rank 0 writes into a pipe
         self.out = JsonLines(self.procs[0].stdout)
 
     @property
@@ -123,7 +124,7 @@ class Job:
                 try:
                     p.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    raise AssertionError(f"replica {r.rid} did not finish; last rows {r.rows[-3:]}")
+                    raise AssertionError(f"replica {r.rid} did not finish; last rows {r.rows[-3:]}") from None
                 assert p.returncode == 0, f"replica {r.rid} rank exited {p.returncode}; see {self.log_dir}"
 
     def finals(self) -> dict[int, list[str]]:

@@ -36,6 +36,11 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
 HERE = os.path.abspath(__file__)
 MARKS_ENV = "OVERHEAD_MARKS"
@@ -81,7 +86,7 @@ def worker(a: argparse.Namespace) -> int:
 
         def on_train_end(self):
             if self.global_rank == 0:
-                gaps = [b - t for t, b in zip(self.times, self.times[1:])][a.warmup:]
+                gaps = [b - t for t, b in pairwise(self.times)][a.warmup:]
                 print(json.dumps({"step_s": statistics.median(gaps), "steps": len(self.times)}), flush=True)
 
         def configure_optimizers(self):
@@ -90,7 +95,7 @@ def worker(a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(1)
     n = a.batch * a.procs * (a.steps + 4)
     data = TensorDataset(torch.randn(n, a.width, generator=g), torch.randn(n, 1, generator=g))
-    strategy: object = "ddp" if a.ddp else "ft_hsdp"
+    strategy: str | Strategy = "ddp" if a.ddp else "ft_hsdp"
     if a.no_overlap and not a.ddp:
         from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
 
@@ -213,16 +218,18 @@ def main(argv: list[str] | None = None) -> int:
                     ["--no-overlap"] if a.no_overlap else [])
 
     params = a.depth * (a.width * a.width + a.width) + a.width + 1
-    for procs, peer, bench in [(a.procs, "ddp", "overhead")] + ([(1, "lightning", "overhead_single")] if a.single else []):
+    cases = [(a.procs, "ddp", "overhead")] + ([(1, "lightning", "overhead_single")] if a.single else [])
+    for procs, peer, bench in cases:
         step_s: dict[str, list[float]] = {"ft": [], peer: []}
         accounts: dict[str, list[dict]] = {"ft": [], peer: []}
         ratios, cpu_ratios = [], []
         for r in range(a.rounds):
             got = {}
             for name in ("ft",) if a.only_ft else (("ft", peer) if r % 2 == 0 else (peer, "ft")):
-                run = (lambda steps: run_ft(a, args_for(procs, steps), procs)) if name == "ft" else \
-                    (lambda steps: run_ddp(a, args_for(procs, steps)))
-                wall, acc = run(a.steps)
+                if name == "ft":
+                    wall, acc = run_ft(a, args_for(procs, a.steps), procs)
+                else:
+                    wall, acc = run_ddp(a, args_for(procs, a.steps))
                 got[name] = (wall, acc)
                 step_s[name].append(wall)
                 accounts[name].append(acc)

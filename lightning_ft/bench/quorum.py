@@ -1,4 +1,4 @@
-"""Quorum latency against a real etcd (DESIGN §3).
+"""Quorum latency against a real etcd (docs/ARCHITECTURE.md, "The quorum").
 
     python -m lightning_ft.bench.quorum [--leaders 2 4 8 16] [--rounds 50] [--etcd HOST:PORT]
 
@@ -51,8 +51,10 @@ def worker(endpoint: str, job: str, rids: list[int], total: int, rounds: int) ->
         store.close()
 
     ts = [threading.Thread(target=run, args=(r,)) for r in rids]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
     print(json.dumps({"lat_ms": [x for r in rids for x in lat[r]]}), flush=True)
 
 
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_ft.coord.etcd_server import EtcdServer
 
     server = None if a.etcd else EtcdServer().start()
-    endpoint = a.etcd or server.endpoint
+    endpoint = a.etcd if server is None else server.endpoint
     try:
         for n in a.leaders:
             print(json.dumps(run_case(endpoint, n, a.rounds)), flush=True)

@@ -1,4 +1,4 @@
-"""Control-plane latency of an R x W job, up to 100K ranks, on this machine (DESIGN §3).
+"""Control-plane latency of an R x W job, up to 100K ranks, on this machine (docs/ARCHITECTURE.md, "The quorum").
 
     python -m lightning_ft.bench.scale [--replicas 2 4 8 12 16 32 64] [--ranks 8 128 1024 8192]
                                        [--rounds 30] [--step-s 0.2] [--probe-world 2 4 8]
@@ -73,7 +73,7 @@ def fanout_check(model: HopModel, world: int, measured: list[list[float]], messa
     return {"bench": "scale_fanout_check", "world": world, "message_bytes": message_bytes,
             "measured_p50_ms": _ms(percentile(last, 0.5)), "measured_p99_ms": _ms(percentile(last, 0.99)),
             "model_p50_ms": _ms(percentile(sim, 0.5)), "model_p99_ms": _ms(percentile(sim, 0.99)),
-            "measured_rank_p50_ms": [_ms(statistics.median(col)) for col in zip(*measured)],
+            "measured_rank_p50_ms": [_ms(statistics.median(col)) for col in zip(*measured, strict=True)],
             "model_rank_p50_ms": [_ms(x) for x in per_rank[1:]]}
 
 
@@ -125,7 +125,7 @@ def measure_leaders(a: argparse.Namespace, endpoint: str, etcd_pid: Optional[int
         runs.append(run_leaders(endpoint, r, rounds=a.rounds, step_s=a.step_s, ledger=led, addr_ranks=a.sweep_ranks,
                                 processes=a.processes, etcd_pid=etcd_pid))
         _log(f"{r} leaders x {a.rounds} rounds{' with the ledger' if led else ''} in {time.monotonic() - t0:.1f}s")
-    shape_runs = []
+    shape_runs: list[tuple[int, int, LeaderRun | str]] = []
     for r, w in shapes_of(a):
         t0 = time.monotonic()
         try:
@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = _loadavg()
     server = None if a.etcd else EtcdServer().start()
     try:
-        runs, shape_runs = measure_leaders(a, a.etcd or server.endpoint, server.proc.pid if server else None)
+        runs, shape_runs = measure_leaders(a, a.etcd if server is None else server.endpoint,
+                                           server.proc.pid if server is not None and server.proc is not None else None)
     finally:
         if server is not None:
             server.cleanup()

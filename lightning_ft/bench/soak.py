@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,6 +97,12 @@ class Job:
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.launches += 1
 
+    @property
+    def launcher(self) -> subprocess.Popen:
+        """The current launcher process (a whole-job restart replaces it)."""
+        assert self.proc is not None, "launch() first"
+        return self.proc
+
     def replica_pids(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         path = os.path.join(self.run_dir, "events.jsonl")
@@ -125,7 +132,8 @@ class Job:
             for line in open(path):
                 ev = json.loads(line)
                 if isinstance(ev.get("replica"), int):
-                    states.setdefault(ev["replica"], {})["event"] = f"{ev['event']} (incarnation {ev.get('incarnation')})"
+                    states.setdefault(ev["replica"], {})["event"] = \
+                        f"{ev['event']} (incarnation {ev.get('incarnation')})"
         return states
 
     def _last_rows(self) -> list[dict]:
@@ -233,7 +241,7 @@ def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
                 except (ValueError, KeyError):
                     pass
     ts.sort()
-    return sum(1 for x, y in zip(ts, ts[1:]) if y - x >= hang_s)
+    return sum(1 for x, y in pairwise(ts) if y - x >= hang_s)
 
 
 def halt_reason(run_dir: str) -> str:
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def ended() -> bool:
             """The job is over: its launcher exited, or the job halted (no fault is injected into it)."""
-            return job.proc.poll() is not None or bool(halt_reason(run_dir))
+            return job.launcher.poll() is not None or bool(halt_reason(run_dir))
 
         while injected < a.faults and not ended():
             # The next fault waits for the job to commit a step after the last one: faults faster
@@ -379,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
         log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish")
         halted_at = None
-        while job.proc.poll() is None and time.monotonic() - t0 < a.timeout:
+        while job.launcher.poll() is None and time.monotonic() - t0 < a.timeout:
             job.heal_etcd(after_s=3.0)
             job.heal_links()
             if halted_at is None and halt_reason(run_dir):
@@ -390,13 +398,13 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.5)
         halted = halt_reason(run_dir)
-        timed_out = job.proc.poll() is None and not halted
-        if job.proc.poll() is None:  # say where each replica stood, then end it: the figures below still come out
+        timed_out = job.launcher.poll() is None and not halted
+        if job.launcher.poll() is None:  # say where each replica stood, then end it: the figures below still come out
             if timed_out:
                 log(f"the job did not finish within --timeout {a.timeout:.0f} s; last rows: {job.replica_states()}; "
                     f"killing it")
             job.kill_all()
-        job.proc.wait(30)
+        job.launcher.wait(30)
         wall = time.monotonic() - t0
         store = EtcdStore(srv.endpoint)
         try:
@@ -428,12 +436,13 @@ def main(argv: list[str] | None = None) -> int:
                           "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
                           "superseded": rep.superseded, "heals": heals(run_dir), "by_kind": by_kind,
                           "launches": job.launches,
-                          "launcher_rc": job.proc.returncode, "timed_out": timed_out,
+                          "launcher_rc": job.launcher.returncode, "timed_out": timed_out,
                           "halted": bool(halted), **({"halt_reason": halted} if halted else {}),
                           "wall_s": round(wall, 1)}), flush=True)
         if injected < a.faults:
             log(f"only {injected} of {a.faults} faults landed before the fault-free tail (raise --steps)")
-        ok = (not timed_out and not halted and injected >= a.faults and identical and not rep.gaps and not rep.duplicates and job.proc.returncode == 0
+        ok = (not timed_out and not halted and injected >= a.faults and identical and not rep.gaps
+              and not rep.duplicates and job.launcher.returncode == 0
               and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
         if not ok:  # what went wrong is in there (the ledger is in etcd's data): keep it for whoever looks next

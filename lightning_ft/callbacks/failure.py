@@ -15,6 +15,7 @@ import time
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_ft.launch.failure import FailureSchedule, Injection
 
@@ -29,6 +30,7 @@ class FailureInjector(Callback):
         self._mine: Optional[Injection] = None
         self._fired = False
 
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         strategy = trainer.strategy
         cfg = strategy.load_ft_config().failure
@@ -44,6 +46,7 @@ class FailureInjector(Callback):
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signalled = True
 
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if getattr(self, "_signalled", False):
             self._signalled = False

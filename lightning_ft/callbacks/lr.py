@@ -2,12 +2,13 @@
 
 The factor multiplies every param group's lr just around `optimizer.step` of each committed
 step and is restored right after, before Lightning steps the LR schedulers, so it never
-compounds into the schedule (the replica core applies it; DESIGN §5 step 5)."""
+compounds into the schedule (the replica core applies it; docs/ARCHITECTURE.md, "A step", 5)."""
 from __future__ import annotations
 
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_ft.replica.manager import LR_MODES
 
@@ -18,6 +19,7 @@ class LRIntervention(Callback):
             raise ValueError(f"LRIntervention mode {mode!r} is not one of {', '.join(LR_MODES)}")
         self.mode = mode
 
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
 

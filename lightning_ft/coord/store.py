@@ -1,4 +1,4 @@
-"""The coordination store: one small key-value contract, two implementations (DESIGN §3).
+"""The coordination store: one small key-value contract, two implementations (docs/ARCHITECTURE.md, "Keyspace").
 
 `EtcdStore` (etcd_store.py) talks to a real etcd v3 cluster through etcd-sdk-python's gRPC
 stubs, failing over between members; `store_from_config(cfg.etcd)` (etcd_config.py) builds one
@@ -125,7 +125,7 @@ class Store(ABC):
     def revision(self) -> int:
         """The current store revision."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a store without connections or threads keeps this no-op
         """Release connections and threads."""
 
 

@@ -1,4 +1,4 @@
-"""The ring all-reduce schedule, as pure functions (DESIGN §4).
+"""The ring all-reduce schedule, as pure functions (docs/ARCHITECTURE.md, "The exchange").
 
 A flat buffer of `numel` elements is cut into *partitions* of at most S·C·N bytes. Each
 partition is cut into N balanced *segments* (sizes differ by at most one element), and each

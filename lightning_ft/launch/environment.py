@@ -1,4 +1,4 @@
-"""Who this process is in the job, from whatever started it (DESIGN §9, docs/ARCHITECTURE.md
+"""Who this process is in the job, from whatever started it (docs/ARCHITECTURE.md,
 "Launchers"): `lightning-ft run`, torchrun, srun, or any launcher that sets our variables.
 
 Pure: `replica_env(environ)` maps an environment to a `ReplicaEnv`; `replica_variables`
@@ -7,20 +7,21 @@ is the inverse, what `lightning-ft env` prints for one replica. One I/O function
 (through `strategy/environment.py`), `examples/plain_loop.py` and the launcher all use it,
 so nothing else reads launcher variables.
 
-| ours            | lightning-ft run  | torchrun (per replica)              | srun (one step per replica)        |
-|-----------------|-------------------|-------------------------------------|------------------------------------|
+| ours           | lightning-ft run | torchrun (per replica) | srun (one step per replica) |
+|----------------|------------------|------------------------|-----------------------------|
 | job, replica id, R, etcd, run dir | LFT_JOB, LFT_REPLICA_ID, LFT_NUM_REPLICAS, LFT_ETCD, LFT_RUN_DIR (all launchers) |
-| incarnation     | LFT_INCARNATION   | LFT_INCARNATION + TORCHELASTIC_RESTART_COUNT | LFT_INCARNATION + SLURM_RESTART_COUNT |
-| rank            | RANK              | RANK                                | SLURM_PROCID                       |
-| local rank      | LOCAL_RANK        | LOCAL_RANK                          | SLURM_LOCALID                      |
-| world (W)       | WORLD_SIZE        | WORLD_SIZE                          | SLURM_STEP_NUM_TASKS, SLURM_NTASKS |
-| master address  | MASTER_ADDR       | MASTER_ADDR                         | MASTER_ADDR, else the first host of SLURM_STEP_NODELIST |
-| master port     | MASTER_PORT       | MASTER_PORT                         | MASTER_PORT, else 20000 + (SLURM_JOB_ID mod 4000) * 10 + rid mod 10 |
-| run id          | LFT_RUN_ID        | LFT_RUN_ID                          | LFT_RUN_ID, else SLURM_JOB_ID      |
+| incarnation | LFT_INCARNATION | LFT_INCARNATION + TORCHELASTIC_RESTART_COUNT | LFT_INCARNATION + SLURM_RESTART_COUNT |
+| rank           | RANK             | RANK                   | SLURM_PROCID                |
+| local rank     | LOCAL_RANK       | LOCAL_RANK             | SLURM_LOCALID               |
+| world (W)      | WORLD_SIZE       | WORLD_SIZE             | SLURM_STEP_NUM_TASKS, SLURM_NTASKS |
+| master address | MASTER_ADDR      | MASTER_ADDR            | MASTER_ADDR, else the first host of SLURM_STEP_NODELIST |
+| master port    | MASTER_PORT      | MASTER_PORT            | MASTER_PORT, else one from SLURM_JOB_ID (below) |
+| run id         | LFT_RUN_ID       | LFT_RUN_ID             | LFT_RUN_ID, else SLURM_JOB_ID |
 
 torchrun is recognized by TORCHELASTIC_RUN_ID, srun by SLURM_PROCID without RANK. The
 master address and port are the replica's own process group (one per replica), never
-shared between replicas. The secret is not in this table: see lightning_ft/secret.py.
+shared between replicas; srun's default port is 20000 + (SLURM_JOB_ID mod 4000) * 10 + rid mod 10.
+The secret is not in this table: see lightning_ft/secret.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The launcher's side of etcd (DESIGN §3, §9): what `lightning-ft run` does about it.
+"""The launcher's side of etcd (README.md, "etcd"; docs/ARCHITECTURE.md, "Launch and
+supervision"): what `lightning-ft run` does about it.
 
 - Without an endpoint it starts an embedded cluster of `etcd.members` members on loopback
   (1 by default; 3 survive the loss of any one) and restarts a member that dies, on its data,
@@ -76,9 +77,11 @@ class EtcdKeeper:
         return {PASSWORD_ENV: pw} if pw and pw != REDACTED else {}
 
     def _probe_loop(self) -> None:
+        probe = self._probe
+        assert probe is not None  # the loop starts after the probe store is made
         while not self._stop.wait(PROBE_INTERVAL_S):
             try:
-                self._probe.revision()
+                probe.revision()
                 self._last_ok = time.monotonic()
             except StoreError:
                 pass

@@ -1,4 +1,5 @@
-"""The failure-injection schedule: which replica fails at which step, and how (DESIGN §9).
+"""The failure-injection schedule: which replica fails at which step, and how
+(docs/ARCHITECTURE.md, "Launch and supervision").
 
 A pure schedule: no I/O, no clock. It holds explicit injections (`failure.events`) plus, when
 `failure.mtbf_steps > 0`, random ones drawn deterministically from `failure.seed`, so every

@@ -1,4 +1,4 @@
-"""FTAR data plane (DESIGN §4): copy into the send buffer, reduce, scale.
+"""FTAR data plane (docs/ARCHITECTURE.md, "The device data plane"): copy into the send buffer, reduce, scale.
 
 `copy_`, `reduce_` and `scale_` pick the implementation by device: CUDA tensors go to the
 Triton kernels when triton imports, everything else to torch. `torch_*` and `triton_*` name

@@ -1,4 +1,4 @@
-"""Torch data-plane ops for FTAR (DESIGN §4 data plane): copy, reduce, scale.
+"""Torch data-plane ops for FTAR (docs/ARCHITECTURE.md, "The device data plane"): copy, reduce, scale.
 
 This is the CPU fallback and the reference the Triton kernels are tested against.
 It also holds the argument checks both implementations share.

@@ -1,4 +1,4 @@
-"""Triton data-plane kernels for FTAR (DESIGN §4 data plane): copy, reduce, scale.
+"""Triton data-plane kernels for FTAR (docs/ARCHITECTURE.md, "The device data plane"): copy, reduce, scale.
 
 Each kernel runs on a small fixed grid (2 programs by default) and loops persistently over
 blocks, so the all-reduce leaves nearly every SM to the training kernels beside it.

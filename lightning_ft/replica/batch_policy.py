@@ -1,5 +1,5 @@
 """Which slot batches a train round trains, and who trains them (docs/ARCHITECTURE.md,
-"Batch policies"; DESIGN §5 step 3 and §7). A pure rule: no I/O.
+"Batch policies"; "A step", 4, and "Exactly once"). A pure rule: no I/O.
 
 Every replica slot s owns a stream of batches; its cursor is the next batch index to train
 (data.py). In a train round the contributors train, and the round's ledger record

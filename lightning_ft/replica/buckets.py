@@ -69,7 +69,7 @@ class GradBuckets:
         """Where the flat buffer lives: the parameters' device (CUDA gradients stay on the GPU
         and take FTAR's device path)."""
         self.flat = torch.zeros(off, dtype=params[0].dtype, device=self.device)
-        self.views = [self.flat[lo:hi].view(local(p).shape) for p, (lo, hi) in zip(params, self.offsets)]
+        self.views = [self.flat[lo:hi].view(local(p).shape) for p, (lo, hi) in zip(params, self.offsets, strict=True)]
         self._clean = True
         """The flat buffer is all zeros (nothing accumulated or exchanged since `zero`)."""
         self.saved: Optional[torch.Tensor] = None
@@ -102,6 +102,7 @@ class GradBuckets:
             if hasattr(p, "to_local"):  # an FSDP2 DTensor: a DTensor grad over our local view
                 from torch.distributed.tensor import DTensor
 
+                assert isinstance(p, DTensor)
                 p.grad = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
             else:
@@ -160,6 +161,7 @@ class GradBuckets:
             i = self._index[id(p)]
             if not self._ours(i, p):
                 lo, hi = self.offsets[i]
+                assert p.grad is not None  # a post-accumulate-grad hook: the gradient is in
                 self.flat[lo:hi].copy_(local(p.grad).reshape(-1))
             if i not in r.filled:
                 r.filled.add(i)
@@ -169,7 +171,7 @@ class GradBuckets:
     def _submit_ready(self, r: Round) -> None:
         """Submit, in canonical order, the buckets whose gradients are all in (lock held)."""
         plan = r.plan
-        if plan is None or not plan.contribute or getattr(plan, "extra", ()):
+        if plan is None or not plan.contribute or getattr(plan, "extra", None):
             return  # extra slot batches (batch_policy "constant") are computed after this backward
         while r.submitted < len(self.buckets) and r.count[r.submitted] == self.need[r.submitted]:
             self._submit(r, r.submitted, plan)

@@ -1,4 +1,4 @@
-"""Persistent checkpoints for whole-job restarts (DESIGN §8).
+"""Persistent checkpoints for whole-job restarts (docs/ARCHITECTURE.md, "Checkpoints").
 
 Layout of `{checkpoint_dir}/step_{n:08d}/`:
 - `__{rank}_0.distcp` + `.metadata`: model and optimizer state, sharded, via
@@ -368,6 +368,7 @@ def _clone(obj: Any) -> Any:
         if hasattr(obj, "to_local"):  # DTensor: keep placement, copy the local shard
             from torch.distributed.tensor import DTensor
 
+            assert isinstance(obj, DTensor)
             return DTensor.from_local(obj.to_local().detach().clone(), obj.device_mesh, obj.placements,
                                       shape=obj.shape, stride=obj.stride())
         return obj.detach().clone()
@@ -387,7 +388,7 @@ def load(d: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pg: A
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
+    state: dict[str, Any] = {"model": msd, "optim": osd}
     no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     dcp.load(state, checkpoint_id=d, process_group=pg, no_dist=no_dist)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -1,4 +1,4 @@
-"""Exactly-once data (DESIGN §7): slot streams, cursors advanced at commit, the ledger.
+"""Exactly-once data (docs/ARCHITECTURE.md, "Exactly once"): slot streams, cursors advanced at commit, the ledger.
 
 The global order of batches is split round-robin over the R replica *slots*: batch k of
 slot s is global batch k·R + s. Slot s's cursor (the next batch index) advances only when
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
-import tempfile
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.store import Store
@@ -69,40 +67,6 @@ class SlotStream:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} out of range for {self.slots} slots")
         return self.global_batch(k * self.slots + slot)
-
-    def iter_slot(self, slot: int, start: int = 0) -> Iterator[list[int]]:
-        k = start
-        while True:
-            yield self.batch(slot, k)
-            k += 1
-
-
-class SlotSampler:
-    """A batch sampler for one slot that can be re-positioned at any time.
-
-    Data loaders prefetch: an iterator created before a `seek` may already have handed out
-    batches past the new position. Each `seek` bumps a generation; iterators of an old
-    generation stop, and the consumer asks for a new one (Lightning re-creates it)."""
-
-    def __init__(self, stream: SlotStream, slot: int, start: int = 0) -> None:
-        self.stream = stream
-        self.slot = slot
-        self.cursor = start
-        self._generation = 0
-
-    def seek(self, k: int) -> None:
-        self.cursor = k
-        self._generation += 1
-
-    def __iter__(self) -> Iterator[list[int]]:
-        gen = self._generation
-        k = self.cursor
-        while gen == self._generation:
-            yield self.stream.batch(self.slot, k)
-            k += 1
-
-    def __len__(self) -> int:
-        return max(0, self.stream.num_samples // self.stream.batch_size // self.stream.slots - self.cursor)
 
 
 # -- cursors and the ledger in the store --------------------------------------------------------
@@ -267,8 +231,11 @@ def verify_ledger(store: Store, root: str, cursors: Optional[Mapping[int, int]] 
     cursor defaults to one past the last batch trained."""
     ranges, rewinds, by_gen = _history(store, root)
     base = {int(s): int(k) for s, k in rewinds.get(0, {}).get("cursors", {}).items()}
-    conflicts, trained, steps, superseded = [], {}, 0, 0
-    duplicates, gaps = [], []
+    conflicts: list[str] = []
+    trained: dict[int, list[int]] = {}
+    steps, superseded = 0, 0
+    duplicates: list[tuple[int, int]] = []
+    gaps: list[tuple[int, int]] = []
     for g in sorted(ranges):
         lo, hi = ranges[g]
         for n in sorted(by_gen.get(g, {})):
@@ -292,16 +259,6 @@ def verify_ledger(store: Store, root: str, cursors: Optional[Mapping[int, int]] 
         gaps += [(slot, k) for k in range(base.get(slot, 0), end) if k not in seen]
     return LedgerReport(steps, trained, duplicates, gaps, conflicts, superseded,
                         [dict(rewinds[g], gen=g) for g in sorted(rewinds) if g > 0])
-
-
-def write_loader_state(path: str, cursors: Mapping[int, int]) -> None:
-    """Atomically write all cursors (loader_state) as JSON."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".loader_state.")
-    with os.fdopen(fd, "w") as f:
-        json.dump({str(k): v for k, v in sorted(cursors.items())}, f)
-    os.replace(tmp, path)
 
 
 def read_cursors(store: Store, root: str, slots: Sequence[int], gen: Optional[int] = None) -> dict[int, int]:

@@ -1,4 +1,4 @@
-"""Loader states of stateful train streams (docs/ARCHITECTURE.md, "Exactly once: streams"; DESIGN §7).
+"""Loader states of stateful train streams (docs/ARCHITECTURE.md, "Exactly once: streams").
 
 A stream loader (torchdata's `StatefulDataLoader`, litdata's `StreamingDataLoader`, anything with
 `state_dict()` / `load_state_dict()`) has no sample index to seek to, so slot s's batch k is "the

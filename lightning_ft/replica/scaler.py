@@ -80,6 +80,7 @@ class ReplicaScaler:
         s = self.scaler
         if s._scale is None:
             s._lazy_init_scale_growth_tracker(device)
+        assert s._scale is not None and s._growth_tracker is not None  # initialized together, just above
         return s._scale, s._growth_tracker
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:

@@ -89,7 +89,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for g, lr in saved:
         g["lr"] = lr
-    for p, gr in zip(params, grads):
+    for p, gr in zip(params, grads, strict=True):
         p.grad = gr
     with torch.no_grad():
         for p in params:

@@ -1,5 +1,5 @@
-"""The model of a replica leader's quorum fan-out to its W ranks (DESIGN §3, "Only leaders
-talk to etcd"), as pure functions.
+"""The model of a replica leader's quorum fan-out to its W ranks (docs/ARCHITECTURE.md, "A step":
+only the leader talks to etcd, then broadcasts), as pure functions.
 
 The leader hands the round's quorum to its ranks with `dist.broadcast_object_list` over the
 replica's gloo group: the pickled message's size goes out in one broadcast, its bytes in a
@@ -17,7 +17,7 @@ quorum. Nothing here does I/O; bench/scale.py measures the inputs and validates 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -107,7 +107,7 @@ def sample_fanout(size: int, model: HopModel, message_bytes: int, n: int,
     return out
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
+def percentile(xs: Iterable[float], q: float) -> float:
     """The q-quantile (0..1) by the nearest-rank rule, as the benchmarks report it."""
     s = sorted(xs)
     if not s:

@@ -1,4 +1,4 @@
-"""Measure the quorum fan-out on real gloo processes on this machine (DESIGN §3).
+"""Measure the quorum fan-out on real gloo processes on this machine (docs/ARCHITECTURE.md, "A step", 1).
 
 `probe(world, message)` starts `world` processes on loopback that form a gloo group, as a
 replica's ranks do, and times three broadcasts from rank 0, each many times:
@@ -126,7 +126,8 @@ def probe(world: int, message: Any, iters: int = 200, bulk_bytes: int = 1 << 20,
                 except subprocess.TimeoutExpired:
                     raise TimeoutError(f"gloo probe with {world} processes did not finish in {timeout_s:.0f}s "
                                        "(is the machine overloaded?)") from None
-            bad = [(r, p.returncode, p.stderr.read()[-1500:]) for r, p in enumerate(procs) if p.returncode != 0]
+            bad = [(r, p.returncode, p.stderr.read()[-1500:] if p.stderr else "") for r, p in enumerate(procs)
+                   if p.returncode != 0]
             if bad:
                 r, code, err = bad[0]
                 raise RuntimeError(f"gloo probe rank {r} of {world} exited with {code}:\n{err}")

@@ -1,5 +1,6 @@
 """The goodput model: effective training time (ETT) of ft_hsdp and of restart-the-world
-for a job's size and failure rate, and a replica-count recommendation (DESIGN §11).
+for a job's size and failure rate, and a replica-count recommendation (README.md, "Planning a
+job: `lightning-ft plan`").
 Pure functions; `lightning-ft plan` (sim/plan.py) gathers the inputs and prints the result.
 
 ETT counts work, not steps: the fraction of the fault-free training rate a job achieves,

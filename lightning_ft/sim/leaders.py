@@ -1,5 +1,5 @@
 """Shadow replicas: R real replica leaders against a real etcd, with the GPU work shadowed
-(DESIGN §3; the control-plane half of `python -m lightning_ft.bench.scale`).
+(docs/ARCHITECTURE.md, "The quorum"; the control-plane half of `python -m lightning_ft.bench.scale`).
 
 Each leader is a thread running the coordinator exactly as a replica leader does, through
 its public API: `Coordinator(...)`, `.register(step, addrs, state_addrs)`, then per step
@@ -17,8 +17,8 @@ as `resolve_ms` and counted in that round's latency).
 Measured per leader and round: the `quorum()` call (report, wait for the round's decision,
 adopt it; it includes waiting for the slowest leader to report), the ledger write, the
 etcd RPCs and watch events each leader's store saw, the largest etcd request or response
-(`max_message_bytes`), and the CPU time of the leader processes and of etcd. Each leader also records the quorum it adopted, so a caller can check
-that all leaders agreed on every round (the protocol really ran).
+(`max_message_bytes`), and the CPU time of the leader processes and of etcd. Each leader also
+records the quorum it adopted, so a caller can check that all leaders agreed on every round (the protocol really ran).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 RPCS = ("get", "get_prefix", "put", "create", "cas", "delete", "lease_keepalive")
 PREFIX = "/lft"
@@ -98,11 +98,13 @@ def rank_addresses(world: int, port: int = 29500) -> tuple[str, ...]:
 def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
     from lightning_ft.coord.coordinator import Coordinator
     from lightning_ft.coord.quorum import JobSpec
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.store import EtcdStore, Store
     from lightning_ft.replica.data import record_commit
 
     R, W = cfg["replicas"], cfg["addr_ranks"]
-    store = CountingStore(EtcdStore(cfg["endpoint"]))
+    counting = CountingStore(EtcdStore(cfg["endpoint"]))
+    # CountingStore is a proxy: __getattr__ forwards the whole Store contract to the EtcdStore.
+    store = cast(Store, counting)
     spec = JobSpec(replicas=R, min_replicas=R, init_timeout_s=120.0, fingerprint={"job": cfg["job"]})
     c = Coordinator(store, cfg["job"], rid, 0, spec, prefix=PREFIX, lease_ttl_s=cfg["lease_ttl_s"],
                     hang_timeout_s=3600.0, poll_interval_s=cfg["poll_s"])
@@ -141,9 +143,9 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
         mine["error"] = f"leader {rid}: {type(e).__name__}: {e}"
         ready.abort()
     finally:
-        mine["rpc"] = store.calls
-        mine["events"] = store.events
-        mine["max_bytes"] = store.max_bytes
+        mine["rpc"] = counting.calls
+        mine["events"] = counting.events
+        mine["max_bytes"] = counting.max_bytes
         mine["evaluations"] = c.evaluations
         c.close()
         store.close()
@@ -153,7 +155,7 @@ def _resolve_neighbours(c: Any, q: Any, rid: int, world: int) -> None:
     """What a replica leader reads when its ring changes: both neighbours' addresses."""
     from lightning_ft.ftar.ring import neighbours
 
-    incs = dict(zip(q.members, q.incarnations))
+    incs = dict(zip(q.members, q.incarnations, strict=True))
     for j in set(neighbours(len(q.members), q.index(rid))):
         peer = q.members[j]
         if peer != rid:
@@ -239,8 +241,8 @@ def run_leaders(endpoint: str, replicas: int, rounds: int = 30, warmup: int = 3,
             "poll_s": poll_s, "quorum_timeout_s": max(60.0, timeout_s / 2)}
     procs = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for p in range(nproc):
-        cfg = {**base, "rids": list(range(p, replicas, nproc))}
+    for i in range(nproc):
+        cfg = {**base, "rids": list(range(i, replicas, nproc))}
         procs.append(subprocess.Popen([sys.executable, "-m", "lightning_ft.sim.leaders", json.dumps(cfg)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     etcd0 = _proc_cpu_s(etcd_pid) if etcd_pid else None

@@ -1,15 +1,18 @@
-"""`lightning-ft plan`: the goodput planner (DESIGN §11; the model is sim/goodput.py).
+"""`lightning-ft plan`: the goodput planner (README.md, "Planning a job: `lightning-ft plan`";
+the model is sim/goodput.py).
 
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R]
                       [--mtbf 18m | --mtbf-gpu 3y] [--detect S] [--restart S] [--catchup S]
                       [--step S] [--ckpt-every N] [--ckpt-cost S] [--stall S] [...]
-                      [--json] [--png plan.png | --no-png]
+                      [--json] [--png PATH | --no-png]
 
 Each input comes from, in order: a flag, the run directory (`--from-run`: measured by
 `measure_run` from what `lightning-ft run` left there), the preset, the defaults. The
 output names the source of every input, the ETT of ft_hsdp and of restart-the-world, what
 one failure costs in each, and a replica count; plan.png plots ETT against job size for
-both modes (per-GPU failure rate held) and ft_hsdp's ETT against the replica count.
+both modes (per-GPU failure rate held) and ft_hsdp's ETT against the replica count. The
+picture goes to `--png`, else into the run directory (`--from-run RUN_DIR/plan.png`), else to
+`runs/plan/plan.png` (`runs/` is ignored by git): never into the working directory itself.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import re
 import statistics
 import sys
 from dataclasses import asdict, fields
+from itertools import pairwise
 from typing import Any, Optional
 
 from lightning_ft.sim.goodput import (PAPER, Inputs, Memory, at_scale, candidate_counts, goodput, recommend,
@@ -70,7 +74,7 @@ def count(text: str) -> float:
 def _primary_failures(events: list[dict]) -> list[dict]:
     """One record per failed (replica, incarnation): when it failed and when it was evicted.
     A world restart's evictions of the healthy replicas are consequences, not failures."""
-    out: dict[tuple[int, int], dict] = {}
+    out: dict[tuple[Optional[int], Optional[int]], dict] = {}
     for e in events:
         key = (e.get("replica"), e.get("incarnation"))
         if e["event"] in ("exit", "hang") and (e["event"] == "hang" or e.get("code") not in (0, None)):
@@ -152,7 +156,7 @@ def measure_run(run_dir: str) -> dict[str, Any]:
         for r in rows:
             ctb[r["step"]] = len(r.get("contributors") or range(R))
         commits = report.commit_times(data)
-        gaps = [b[0] - a[0] for a, b in zip(commits, commits[1:])
+        gaps = [b[0] - a[0] for a, b in pairwise(commits)
                 if b[1] == a[1] + 1 and ctb.get(a[1], R) < R and ctb.get(b[1], R) < R]
         if gaps:
             out["degraded_step_s"] = statistics.fmean(gaps)
@@ -284,6 +288,7 @@ def _fmt(v: Any) -> str:
 
 def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
     g = goodput(inp)
+    world_restart_s = inp.restart_s if inp.world_restart_s is None else inp.world_restart_s
     lines = [f"lightning-ft plan: {inp.gpus} GPUs as {inp.replicas} replicas x {inp.ranks_per_replica:g}, "
              f"a failure every {human(inp.mtbf_job_s)}", "", f"  {'input':<18} {'value':>12}  source"]
     for f in fields(Inputs):
@@ -291,7 +296,7 @@ def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
         lines.append(f"  {f.name:<18} {'-' if v is None else _fmt(v):>12}  {src[f.name]}")
     lines += ["", "effective training time (work done / fault-free work rate):",
               f"  restart-the-world  {g.restart_ett:.3f}  a failure costs {g.restart_lost_s:.4g} s: detection "
-              f"{inp.detect_s:.4g} + restart {inp.restart_s if inp.world_restart_s is None else inp.world_restart_s:.4g}"
+              f"{inp.detect_s:.4g} + restart {world_restart_s:.4g}"
               f" + {inp.rollback:.4g} steps redone x {inp.step_s:.4g} s",
               f"  ft_hsdp            {g.ft_ett:.3f}  a failure costs {g.ft_lost_s:.4g} s: a {g.ft_stall_s:.4g} s full "
               f"stall, then {g.ft_degraded_s:.4g} s at {inp.replicas - 1}/{inp.replicas} replicas"
@@ -300,6 +305,10 @@ def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
         lines.append(f"  (both x {g.ckpt_factor:.4f} for checkpoint cost)")
     lines += ["", f"recommended: {result['recommendation']}"]
     return "\n".join(lines)
+
+
+DEFAULT_PNG = os.path.join("runs", "plan", "plan.png")
+"""The plot's path without `--png` or `--from-run`: under `runs/`, which git ignores."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -330,8 +339,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tolerance", type=float, default=0.01, help="ETT the recommendation may give up for "
                                                                  "fewer replicas")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--png", default="plan.png", help="where to write the plot (default ./plan.png)")
+    p.add_argument("--png", default=None, help="where to write the plot (default: RUN_DIR/plan.png with "
+                                                 f"--from-run, else {DEFAULT_PNG})")
     p.add_argument("--no-png", action="store_true")
+
+
+def png_path(a: argparse.Namespace) -> str:
+    """Where the plot goes: `--png`, else the run directory of `--from-run`, else DEFAULT_PNG."""
+    if a.png:
+        return str(a.png)
+    if a.from_run:
+        return os.path.join(a.from_run, "plan.png")
+    return DEFAULT_PNG
 
 
 def run(a: argparse.Namespace) -> int:
@@ -352,12 +371,14 @@ def run(a: argparse.Namespace) -> int:
               "recommendation": rec.reason if rec else f"{inp.gpus} GPUs cannot be split into 2 or more replicas",
               "candidates": [asdict(c) for c in rec.candidates] if rec else [],
               "inputs": asdict(inp), "sources": src}
+    png = png_path(a)
     if not a.no_png:
-        plot(inp, rec.replicas if rec else None, memory, a.png, a.max_replicas)
-        result["png"] = a.png
+        os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+        plot(inp, rec.replicas if rec else None, memory, png, a.max_replicas)
+        result["png"] = png
     print(json.dumps(result) if a.json else text(inp, src, result))
     if not a.no_png and not a.json:
-        print(f"wrote {a.png}: ETT against GPUs for both modes, and against the replica count")
+        print(f"wrote {png}: ETT against GPUs for both modes, and against the replica count")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Persistent checkpoints of a replica under Lightning (DESIGN §8; docs/ARCHITECTURE.md).
+"""Persistent checkpoints of a replica under Lightning (docs/ARCHITECTURE.md, "Checkpoints").
 
 Every `checkpoint.every_n_steps` committed steps the lowest-id contributor writes one
 (asynchronously: the step waits only for an in-memory copy). The ledger record of the step

@@ -1,5 +1,5 @@
 """How a train stream is split over the job's slots and a replica's ranks (docs/ARCHITECTURE.md,
-"Exactly once: streams"; DESIGN §7).
+"Exactly once: streams").
 
 Process p = slot * W + rank of the job's R * W reads its own part of the stream:
 
@@ -18,14 +18,22 @@ Process p = slot * W + rank of the job's R * W reads its own part of the stream:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, TypeGuard
 
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_ft.config import DATA_SHARDS
 
 
-def _stateful(obj: Any) -> bool:
+class Stateful(Protocol):
+    """What torchdata's StatefulDataLoader expects of a stateful loader or dataset."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _stateful(obj: object) -> TypeGuard[Stateful]:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
@@ -92,6 +100,8 @@ def shard(loader: DataLoader, slot: int, rank: int, slots: int, world: int, mode
     if mode not in DATA_SHARDS:
         raise ValueError(f"data.shard={mode!r}: allowed values are {', '.join(map(repr, DATA_SHARDS))}")
     index, count = (p, n) if mode == "processes" else (slot, slots)
+    if not isinstance(ds, IterableDataset):
+        raise ValueError(f"{type(ds).__name__} is not an IterableDataset: a map-style dataset needs no stream split")
     # DataLoader refuses a new dataset after __init__ because its sampler depends on it; an
     # iterable dataset's sampler does not, and replacing it keeps every argument of the user's loader.
     object.__setattr__(loader, "dataset", ShardedIterable(ds, index, count))

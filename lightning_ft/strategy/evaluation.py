@@ -71,7 +71,7 @@ class CrossReplicaReducer:
         """(replica, incarnation) of the members of the last round."""
         mgr = self.mgr
         q = mgr.last_plan.quorum if mgr.last_plan is not None else None
-        return tuple(zip(q.members, q.incarnations)) if q is not None else ((mgr.rid, mgr.incarnation),)
+        return tuple(zip(q.members, q.incarnations, strict=True)) if q is not None else ((mgr.rid, mgr.incarnation),)
 
     def begin(self, stage: str) -> None:
         """An evaluation run starts (same order on every replica)."""
@@ -144,7 +144,7 @@ class CrossReplicaReducer:
 
 
 def _combine(vals: list[list[float]], op: str) -> list[float]:
-    cols = list(zip(*vals))
+    cols = list(zip(*vals, strict=True))
     if op == "sum":
         return [sum(c) for c in cols]
     if op == "mean":

@@ -95,7 +95,7 @@ def load(strategy: Any, path: Any, weights_only: Optional[bool], sharded_load: C
     if _is_full_checkpoint(p):
         checkpoint = torch.load(p, map_location="cpu", weights_only=weights_only)
         module.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
-        for opt, state in zip(strategy.optimizers, checkpoint.get("optimizer_states", [])):
+        for opt, state in zip(strategy.optimizers, checkpoint.get("optimizer_states", []), strict=False):
             opt.load_state_dict(state)
         return checkpoint
     if _is_sharded_checkpoint(p):  # as ModelParallelStrategy loads it, without its demand for DTensors

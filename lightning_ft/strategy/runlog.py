@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 
 def replica_dir(rid: int) -> str:
@@ -74,11 +75,12 @@ def metrics(mgr: Any, num_replicas: int) -> dict[str, float]:
 
 
 class FTMetrics(Callback):
-    """Per-step FT metrics through the Lightning logger (DESIGN §11)."""
+    """Per-step FT metrics through the Lightning logger (read by `lightning-ft report`)."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not trainer._logger_connector.should_update_logs:
             return  # logging every step costs milliseconds; loggers only write every n steps

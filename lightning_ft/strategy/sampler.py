@@ -1,4 +1,4 @@
-"""The exactly-once training sampler of one replica rank (DESIGN §7) for Lightning's loaders.
+"""The exactly-once training sampler of one replica rank (docs/ARCHITECTURE.md, "Exactly once") for Lightning's loaders.
 
 The replica's slot s trains, at each committed step, slot batch k = its cursor: the samples
 `SlotStream.batch(s, k)` (size B·W·N for B per rank, W ranks, N accumulated micro-batches).

@@ -59,5 +59,5 @@ class CommittedSchedulers:
         return [c.scheduler.state_dict() for c in self.configs]
 
     def load_state_dict(self, states: list) -> None:
-        for c, s in zip(self.configs, states):
+        for c, s in zip(self.configs, states, strict=True):
             c.scheduler.load_state_dict(s)

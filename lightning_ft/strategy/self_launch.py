@@ -51,7 +51,8 @@ def script_argv(argv: Sequence[str], main_module: Optional[str], cwd: str) -> li
             f"launcher starts script files only. Run the module's file instead (python path/to/"
             f"{main_module.replace('.', '/')}.py ...), {HOW}")
     if not argv or argv[0] in ("", "-c", "-") or not os.path.isfile(os.path.join(cwd, argv[0])):
-        what = repr(argv[0]) if argv and argv[0] not in ("", "-c", "-") else "python -c, stdin or an interactive session"
+        what = repr(argv[0]) if argv and argv[0] not in ("", "-c", "-") else \
+            "python -c, stdin or an interactive session"
         raise SelfLaunchError(
             f"strategy='ft_hsdp' self-launch starts the program's script file again in every replica, but this "
             f"program has none ({what}). Put it in a file and run `python train.py`, {HOW}")

@@ -1,4 +1,4 @@
-"""Exactly-once training from stream loaders (docs/ARCHITECTURE.md, "Exactly once: streams"; DESIGN §7).
+"""Exactly-once training from stream loaders (docs/ARCHITECTURE.md, "Exactly once: streams").
 
 A train loader over an `IterableDataset` has no sample index, so the strategy cannot build
 its batches as it does for map-style datasets (sampler.py). Instead each rank keeps the
@@ -70,7 +70,7 @@ class StreamLoader:
         self.stateful = _stateful(loader)
         """False: at-least-once (`stream_loader` refuses such a loader unless data.exactly_once=false)."""
         self.files = files if self.stateful else None
-        self.writer = StateWriter(files) if self.files is not None else None
+        self.writer = StateWriter(self.files) if self.files is not None else None
         self.state_every, self.checkpoint_every = state_every, checkpoint_every
         self.say = say
         self.tags = _Tags()
@@ -132,6 +132,7 @@ class StreamLoader:
                                  None if taken is None else taken[0] * self.micro + taken[1])
             if self._pos != want:
                 self._seek(want)
+            assert self._it is not None and self._pos is not None  # _seek made the iterator; _pos is its position
             try:
                 batch = next(self._it)
             except StopIteration:  # the user loader's pass ended: start its next one
@@ -168,6 +169,7 @@ class StreamLoader:
         t0 = time.perf_counter()
         mem = {**self._pins, **self._mem}
         c = max((c for c in mem if c <= k), default=-1)
+        source: str | StateFile
         state, source = mem.get(c), f"the state kept in memory at slot batch {c}"
         found = self.files.newest_at_most(k) if self.files is not None and c < k else None
         if found is not None and found[0].cursor > c:

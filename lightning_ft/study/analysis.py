@@ -18,7 +18,7 @@ Definitions (all on the per-step train loss smoothed by a trailing mean of `k` s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_ft.study.settings import Setting, failure_windows
 
@@ -206,4 +206,5 @@ def _contrasts(present: Sequence[Setting]) -> list[tuple[str, str, object, objec
 def _swap(s: Setting, field: str, value: object) -> Setting:
     from dataclasses import replace
 
-    return replace(s, **{field: value})
+    changes: dict[str, Any] = {field: value}
+    return replace(s, **changes)

@@ -36,7 +36,7 @@ def _style(name: str, source: str) -> dict:
 
 def _panels(fps: Sequence[str]):
     fig, axes = plt.subplots(1, len(fps), figsize=(6.5 * len(fps), 4.6), squeeze=False)
-    return fig, dict(zip(fps, axes[0]))
+    return fig, dict(zip(fps, axes[0], strict=True))
 
 
 def loss_and_eval(out: str, runs: Mapping[str, Mapping], bands: Mapping[str, Band], base: Mapping[str, Mapping],
@@ -140,8 +140,8 @@ def wallclock(out: str, real: Mapping[str, Mapping], k: int, replicas: int) -> s
         x.legend(fontsize=7)
         x.grid(alpha=0.3)
     if real:
-        lo = min(min(smooth(r["train_loss"], k)[len(r["train_loss"]) // 4:]) for r in real.values())
-        a.set_ylim(lo - 0.05, lo + 0.8)
+        floor = min(min(smooth(r["train_loss"], k)[len(r["train_loss"]) // 4:]) for r in real.values())
+        a.set_ylim(floor - 0.05, floor + 0.8)
     fig.tight_layout()
     path = os.path.join(out, "wallclock.png")
     fig.savefig(path, dpi=110)

@@ -63,7 +63,8 @@ def run_real(spec: RealSpec, run_dir: str, job: str, etcd: str) -> dict:
             proc = subprocess.run(command(spec, run_dir, job, etcd), stdout=log, stderr=subprocess.STDOUT,
                                   timeout=spec.timeout_s + 60, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise RealRunFailed(f"real run {job} did not finish in {spec.timeout_s + 60:.0f}s; see {run_dir}/logs")
+            raise RealRunFailed(
+                f"real run {job} did not finish in {spec.timeout_s + 60:.0f}s; see {run_dir}/logs") from None
     if proc.returncode != 0:
         raise RealRunFailed(f"real run {job} exited with {proc.returncode}; see {run_dir}/launcher.log and "
                             f"{run_dir}/logs")
@@ -100,7 +101,8 @@ def ledger(store: Store, root: str, replicas: int, steps: int) -> dict:
         _, step, _ = keys.parse_commit(root, kv.key)
         batches.setdefault(step, {int(s): int(k) for s, k in json.loads(kv.value)["batches"].items()})
     if sorted(batches) != list(range(steps)):
-        raise RealRunFailed(f"job {job}: the ledger has steps {min(batches, default=None)}..{max(batches, default=None)}"
+        raise RealRunFailed(f"job {job}: the ledger has steps "
+                            f"{min(batches, default=None)}..{max(batches, default=None)}"
                             f" ({len(batches)}), expected 0..{steps - 1}")
     return {"batches": [batches[n] for n in range(steps)], "ledger_steps": rep.steps}
 
@@ -133,7 +135,8 @@ def read_run(run_dir: str, replicas: int, steps: int) -> dict:
     missing = [n for n in range(steps) if weight[n] == 0 or contributors[n] is None or first_t[n] is None]
     if missing:
         raise RealRunFailed(f"{run_dir}: no train rows for steps {missing[:10]} (of {len(missing)}); see its logs")
-    t0 = first_t[0]
-    return {"train_loss": [s / w for s, w in zip(loss_sum, weight)], "eval": evals,
-            "contributors": contributors, "wall": [t - t0 for t in first_t]}
+    times = [t for t in first_t if t is not None]  # all of them: no step is missing
+    t0 = times[0]
+    return {"train_loss": [s / w for s, w in zip(loss_sum, weight, strict=True)], "eval": evals,
+            "contributors": contributors, "wall": [t - t0 for t in times]}
 

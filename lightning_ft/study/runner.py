@@ -90,7 +90,7 @@ class Study:
         return SimSpec(self.cfg.script, list(self.cfg.script_args), job.seed, s.precision, s.lr, self.cfg.replicas,
                        batches, contributors)
 
-    def _spec_hash(self, spec: object) -> str:
+    def _spec_hash(self, spec: SimSpec | RealSpec) -> str:
         raw = json.dumps({"spec": asdict(spec), "script": self.script_sha}, sort_keys=True, default=str)
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 

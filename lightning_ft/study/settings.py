@@ -94,7 +94,8 @@ class Schedule:
         if s.baseline:
             return []
         gap = self.window_steps / s.freq
-        out, j = [], 0
+        out: list[int] = []
+        j = 0
         while True:
             step = self.start_step + round(j * gap)
             if step + s.length >= self.steps:
@@ -115,7 +116,7 @@ class Schedule:
     def contributors(self, s: Setting) -> list[tuple[int, ...]]:
         """Per step, the replicas that train under the nominal schedule (victims absent for
         exactly `len` steps from each event; events closer than `len` merge)."""
-        down = [set() for _ in range(self.steps)]
+        down: list[set[int]] = [set() for _ in range(self.steps)]
         for step in self.event_steps(s):
             for n in range(step, min(self.steps, step + s.length)):
                 down[n].update(self.victims(s))

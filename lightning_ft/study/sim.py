@@ -110,7 +110,7 @@ def simulate(spec: SimSpec, progress: Optional[Callable[[str], None]] = None) ->
         for g in opt.param_groups:
             g["lr"] *= factor
         opt.step()
-        for g, lr in zip(opt.param_groups, saved):
+        for g, lr in zip(opt.param_groups, saved, strict=True):
             g["lr"] = lr
         sched.step()
         losses.append(sum(step) / len(step))

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 import uuid
+from itertools import pairwise
 
 import pytest
 
@@ -139,7 +140,7 @@ def test_late_joiner_is_added_as_lagging_and_nobody_waits(etcd_endpoint, leaders
     assert_all_agree(procs + [joiner])
     # The healthy leaders kept their pace while the joiner started (Python start-up takes seconds).
     ts = [x["t"] for x in procs[0].rounds() if t_join - 0.5 < x["t"] <= row["t"] + 0.5]
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    gaps = [b - a for a, b in pairwise(ts)]
     assert max(gaps) < 0.25, gaps
 
 
@@ -225,7 +226,8 @@ def test_eviction_watch_calls_on_failure_for_a_current_member():
     s = MemoryStore()
     spec = JobSpec(2, 1, 5.0, {"job": "j"})
     failures = []
-    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1, on_failure=lambda r, why: failures.append((r, why, time.monotonic())))
+    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1,
+                    on_failure=lambda r, why: failures.append((r, why, time.monotonic())))
     b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=1)
     a.register(0)
     b.register(0)
@@ -383,13 +385,13 @@ def test_only_the_decider_receives_the_reports_and_it_evaluates_about_once_a_rou
     [t.join(30) for t in ts]
     assert not errors, errors
     assert all(seen[r] == seen[0] for r in range(R)) and len(seen[0]) == rounds
-    members_events = [v.events["members"] - b["members"] for v, b in zip(views, before)]
+    members_events = [v.events["members"] - b["members"] for v, b in zip(views, before, strict=True)]
     # round 0 has no decider yet (everyone may decide it, and watches); from round 1 on only r0
     assert all(n <= 2 * R for n in members_events[1:]), members_events
     assert members_events[0] >= R * (rounds - 1), members_events
     assert cs[0].watching_reports and not any(c.watching_reports for c in cs[1:])
     assert cs[0].evaluations <= 2 * rounds, cs[0].evaluations
-    total = sum(sum(v.events.values()) - sum(b.values()) for v, b in zip(views, before))
+    total = sum(sum(v.events.values()) - sum(b.values()) for v, b in zip(views, before, strict=True))
     assert total <= 4 * R * rounds, total  # O(R) a round: R reports to one leader, one decision to each
     # the addresses are out of the round's messages, in etcd once per incarnation
     q = cs[1].current

@@ -179,10 +179,11 @@ def test_random_decisions_obey_invariants(seed):
     assert compute_quorum(rnd, shuffled, frozenset(evicted), prev, job, waited) == d
     valid = {r for r, p in reports.items()
              if (r, p.incarnation) not in evicted and p.fingerprint == FP and p.round >= rnd}
-    assert set(d.refused) == {r for r, p in reports.items() if p.fingerprint != FP and (r, p.incarnation) not in evicted}
+    assert set(d.refused) == {r for r, p in reports.items()
+                              if p.fingerprint != FP and (r, p.incarnation) not in evicted}
     survivors = set()
     if prev:
-        survivors = {r for r, i in zip(prev.members, prev.incarnations)
+        survivors = {r for r, i in zip(prev.members, prev.incarnations, strict=True)
                      if r in reports and reports[r].incarnation == i and (r, i) not in evicted and r not in d.refused}
     q = d.quorum
     if q is None:
@@ -530,7 +531,7 @@ def test_steady_views_agree_or_someone_aborts(seed):
     if all(n is not None for n in nexts):
         assert len(set(nexts)) == 1
     elif any(n is not None for n in nexts):
-        assert any(n is None and must_abort(q, v) for n, v in zip(nexts, views))
+        assert any(n is None and must_abort(q, v) for n, v in zip(nexts, views, strict=True))
 
 
 def test_first_round_after_a_resume_in_the_same_keyspace_takes_the_ledgers_generation():

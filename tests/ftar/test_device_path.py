@@ -64,7 +64,7 @@ def close(fs):
 
 
 def run_case(fs, xs, divisor):
-    for w in [f.allreduce(x, divisor=divisor) for f, x in zip(fs, xs)]:
+    for w in [f.allreduce(x, divisor=divisor) for f, x in zip(fs, xs, strict=True)]:
         w.wait(60)
 
 
@@ -97,7 +97,7 @@ def torch_sum_digests():
     for i, (dtype, sizes, divide) in enumerate(dw.CASES):
         a, b = dw.inputs(0, i, sizes, dtype), dw.inputs(1, i, sizes, dtype)
         res = []
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             s = torch.empty_like(x)
             ops.torch_reduce_(s, x, y)
             if divide and s.numel():
@@ -269,7 +269,7 @@ def test_sigkill_mid_all_reduce_under_the_interpreter_is_recoverable_without_a_h
     ps = spawn(tmp_path, 3, "loop", {"FTAR_TIMEOUT": "20"})
     procs.extend(ps)
     outs = [JsonLines(p.stdout) for p in ps]
-    for o, p in zip(outs, ps):
+    for o, p in zip(outs, ps, strict=True):
         assert o.wait_for(lambda e: e["event"] == "running", 300) is not None, p.stderr.read()[-3000:]
     t_kill = time.time()
     ps[1].send_signal(signal.SIGKILL)
@@ -292,7 +292,8 @@ def test_cuda_tensors_take_the_device_path_with_pinned_staging(dtype):
         ys = [[b.clone()] for b in base]
         run_case(fs, xs, 2.0)
         run_case(ref, ys, 2.0)
-        assert all(torch.equal(x[0].cpu().view(torch.uint8), y[0].view(torch.uint8)) for x, y in zip(xs, ys))
+        assert all(torch.equal(x[0].cpu().view(torch.uint8), y[0].view(torch.uint8))
+                   for x, y in zip(xs, ys, strict=True))
         st = fs[0].staging(xs[0][0].device)
         assert st.pinned and st.kernels.name == ("triton" if ops.triton_available() else "torch")
         assert fs[0].paths == {"device": 1}
@@ -312,7 +313,7 @@ def test_cuda_device_path_waits_for_the_callers_stream():
                 x = (a @ a).view(-1)[:200000].contiguous()  # still being computed at allreduce
                 x.fill_(float(i + 1))
                 xs.append([x])
-            works = [f.allreduce(x, divisor=2.0) for f, x in zip(fs, xs)]
+            works = [f.allreduce(x, divisor=2.0) for f, x in zip(fs, xs, strict=True)]
         for w in works:
             w.wait(60)
         assert all(torch.equal(x[0], torch.full_like(x[0], 1.5)) for x in xs)

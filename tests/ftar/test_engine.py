@@ -178,7 +178,7 @@ def test_reconfigure_after_failure_restores_service(transport):
         fs[2].abort("test")
         assert connect_all(fs, epochs=[2, 2, 2]) == {}
         xs = [torch.full((1001,), float(i + 1)) for i in range(3)]
-        for w in [f.allreduce([x], divisor=3.0) for f, x in zip(fs, xs)]:
+        for w in [f.allreduce([x], divisor=3.0) for f, x in zip(fs, xs, strict=True)]:
             w.wait(10)
         assert all(torch.equal(x, torch.full((1001,), 2.0)) for x in xs)
     finally:
@@ -204,6 +204,10 @@ def test_wrong_job_is_refused(transport):
         text = " ".join(str(e) for e in errors.values())
         assert "another job, or a wrong job secret" in text and "'a'" not in text and "'b'" not in text, \
             "the peer learns neither job name"
+        # The acceptor notes its refusal as it closes the connection: the dialer may fail first.
+        deadline = time.monotonic() + 5.0
+        while not any("job mismatch" in r for f in fs for r in f.transport.refusals) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert any("job mismatch" in r for f in fs for r in f.transport.refusals), "our own log says why"
     finally:
         close_all(fs)
@@ -226,7 +230,7 @@ def test_shape_mismatch_is_fatal_on_every_rank_without_a_hang(transport):
         assert connect_all(fs) == {}
         sizes = [5000, 5001, 5000]
         t0 = time.monotonic()
-        works = [f.allreduce([torch.ones(n)]) for f, n in zip(fs, sizes)]
+        works = [f.allreduce([torch.ones(n)]) for f, n in zip(fs, sizes, strict=True)]
         for w in works:
             with pytest.raises(FatalError, match="size/dtype mismatch"):
                 w.wait(5)
@@ -256,7 +260,7 @@ def test_both_data_paths_agree_bitwise(staged, dtype, transport):
         g = torch.Generator().manual_seed(3)
         base = [torch.randn(7777, generator=g).to(dtype) for _ in range(3)]
         xs = [b.clone() for b in base]
-        for w in [f.allreduce([x], divisor=3.0) for f, x in zip(fs, xs)]:
+        for w in [f.allreduce([x], divisor=3.0) for f, x in zip(fs, xs, strict=True)]:
             w.wait(10)
         assert all(torch.equal(xs[0].view(torch.uint8), x.view(torch.uint8)) for x in xs)
         want = sum(b.double() for b in base) / 3

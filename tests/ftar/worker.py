@@ -72,7 +72,8 @@ def main() -> int:
             mine = tensors(rank, i, sizes, dtype)
             want = [sum(tensors(r, i, sizes, dtype)[k].double() for r in ranks) for k in range(len(sizes))]
             f.allreduce(mine).wait(60)
-            err = max([(m.double() - w).abs().max().item() / (w.abs().max().item() + 1) for m, w in zip(mine, want)
+            err = max([(m.double() - w).abs().max().item() / (w.abs().max().item() + 1)
+                       for m, w in zip(mine, want, strict=True)
                        if m.numel()] or [0.0])
             emit(event="result", case=i, digest=digest(mine), rel_err=err)
         f.close()

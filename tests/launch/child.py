@@ -50,7 +50,7 @@ def main() -> None:
 def _action(specs: list[str], me: tuple[int, int, int]) -> str:
     for spec in specs:
         who, action = spec.split("=", 1)
-        if all(f == "*" or int(f) == v for f, v in zip(who.split(":"), me)):
+        if all(f == "*" or int(f) == v for f, v in zip(who.split(":"), me, strict=True)):
             return action
     return "sleep"
 

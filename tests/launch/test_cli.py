@@ -218,7 +218,8 @@ def test_lightning_ft_etcd_serves_tls_and_checks_its_tls_flags(tmp_path, procs):
     assert r.returncode == 2 and "--cert-file and --key-file go together" in r.stderr
     port = free_port()
     p = subprocess.Popen(etcd + ["--port", str(port), "--cert-file", server.cert, "--key-file", server.key,
-                                 "--client-ca-file", ca.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--client-ca-file", ca.path],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs.append(p)
     assert f"etcd listening on https://127.0.0.1:{port} " in readline(p.stdout)
     s = EtcdStore(f"https://127.0.0.1:{port}", connect_timeout_s=5, ca_cert=ca.path, cert=client.cert, key=client.key)

@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from itertools import pairwise
 
 from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.etcd_server import EtcdServer, free_port
@@ -199,7 +200,7 @@ def test_short_etcd_outage_pauses_training_which_resumes_with_nothing_lost(tmp_p
             # for etcd (a gap as long as the rest of the outage) ...
             during = [r for r in rs if down_at < r["t"] < up_at]
             assert len(during) <= MAX_STEADY_STEPS + 1, len(during)
-            gaps = [(b["t"] - a["t"], a["step"]) for a, b in zip(rs, rs[1:])]
+            gaps = [(b["t"] - a["t"], a["step"]) for a, b in pairwise(rs)]
             paused, at = max(gaps)
             if not during:
                 assert paused > 3.5, gaps

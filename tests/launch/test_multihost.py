@@ -44,8 +44,8 @@ OVERRIDES = ("etcd.lease_ttl_s=2", "quorum.init_timeout_s=60", "failure.restart_
 
 def start_etcd(host: netns.Host, log_dir) -> str:
     """etcd inside `host`, on its own address; returns HOST:PORT once it answers."""
-    p = host.popen([sys.executable, "-c", ETCD, host.ip], stdout=subprocess.PIPE, stderr=open(log_dir / "etcd.log", "w"),
-                   text=True)
+    p = host.popen([sys.executable, "-c", ETCD, host.ip], stdout=subprocess.PIPE,
+                   stderr=open(log_dir / "etcd.log", "w"), text=True)
     line = p.stdout.readline().strip()  # EtcdServer.start() waits until it answers
     assert line.endswith(":2379"), f"etcd did not start in {host.ns}: {line!r}; see {log_dir / 'etcd.log'}"
     return f"{host.ip}:2379"
@@ -127,8 +127,11 @@ def test_torchrun_and_launcher_replicas_on_two_hosts_restart_catch_up_and_end_id
                        env=clean_env(LFT_SECRET_FILE=str(secret_file)), stdout=open(tmp_path / "launcher.log", "w"),
                        stderr=subprocess.STDOUT)
         launchers = (tr, run)
-        diag = lambda: "\n".join([tail(tmp_path / "torchrun.log"), tail(tmp_path / "launcher.log"),
-                                  *(tail(p) for p in sorted((dir_b / "logs").glob("*.rank0.log")))])
+
+        def diag() -> str:
+            return "\n".join([tail(tmp_path / "torchrun.log"), tail(tmp_path / "launcher.log"),
+                              *(tail(p) for p in sorted((dir_b / "logs").glob("*.rank0.log")))])
+
         steps_a, steps_b = dir_a / "replica_0" / "steps.jsonl", dir_b / "replica_1" / "steps.jsonl"
         try:
             # both train together, then SIGKILL rank 1 of replica 0: torchrun restarts the replica

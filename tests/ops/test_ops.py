@@ -1,4 +1,4 @@
-"""Torch data-plane ops and device dispatch (lightning_ft/ops, DESIGN §4 data plane).
+"""Torch data-plane ops and device dispatch (lightning_ft/ops, docs/ARCHITECTURE.md "The device data plane").
 
 Values are checked bitwise against numpy: an independent nearest-even reference for bf16,
 numpy's own float16 cast for fp16.

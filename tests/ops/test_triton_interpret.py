@@ -1,4 +1,5 @@
-"""Triton data-plane kernels under TRITON_INTERPRET=1 (lightning_ft/ops/triton_ops.py, DESIGN §4).
+"""Triton data-plane kernels under TRITON_INTERPRET=1 (lightning_ft/ops/triton_ops.py,
+docs/ARCHITECTURE.md, "The device data plane").
 
 TRITON_INTERPRET must be set before the kernels are defined, so the kernel checks (`check_*`)
 run in a pytest subprocess with TRITON_INTERPRET=1, started by

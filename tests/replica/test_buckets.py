@@ -38,11 +38,12 @@ def test_backward_accumulates_straight_into_the_flat_buffer():
     _loss(model).backward()
     ref = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert torch.equal(b.flat, ref) and b.flat.abs().sum() > 0
-    for p, v in zip(model.parameters(), b.views):
+    for p, v in zip(model.parameters(), b.views, strict=True):
         assert p.grad.data_ptr() == v.data_ptr()
     opt.zero_grad(set_to_none=True)  # Lightning's call: zeroed, still views
     assert b.flat.abs().sum() == 0
-    assert all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), b.views))
+    assert all(p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+               for p, v in zip(model.parameters(), b.views, strict=True))
     _loss(model).backward()
     _loss(model).backward()  # accumulation: twice the gradient
     assert torch.allclose(b.flat, 2 * ref)
@@ -119,5 +120,5 @@ def test_cuda_gradients_accumulate_into_a_flat_buffer_on_the_gpu():
     assert b.flat.is_cuda
     x = torch.arange(12, dtype=torch.float32, device="cuda").view(3, 4) / 10
     model(x).pow(2).sum().backward()
-    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), b.views))
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), b.views, strict=True))
     assert torch.equal(b.flat, torch.cat([p.grad.reshape(-1) for p in model.parameters()]))

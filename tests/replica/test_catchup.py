@@ -1,4 +1,4 @@
-"""Tests for the catch-up transport (lightning_ft/replica/catchup.py, DESIGN §6)."""
+"""Tests for the catch-up transport (lightning_ft/replica/catchup.py, docs/ARCHITECTURE.md "Catch-up")."""
 from __future__ import annotations
 
 import hashlib
@@ -251,7 +251,7 @@ def test_fetch_racing_freeze_and_mutation_is_never_torn(server):
         snapshot = {n: t.clone() for n, t in state.items()}
         server.publish(round_, state, {"round": round_}, expected={"lagger"})
         result: dict = {}
-        fetcher = threading.Thread(target=lambda: result.update(
+        fetcher = threading.Thread(target=lambda result=result, round_=round_: result.update(
             out=fetch_state(server.address, round_, into, SECRET, "lagger")))
         fetcher.start()
         time.sleep(0.0005 * round_)  # freeze before, during and after the fetch

@@ -6,9 +6,8 @@ import threading
 import pytest
 
 from lightning_ft.coord.store import MemoryStore
-from lightning_ft.replica.data import (SlotSampler, SlotStream, advance_cursor, cursors_at, read_cursor,
-                                       read_cursors, record_commit, recorded, seed_generation, verify_ledger,
-                                       write_loader_state)
+from lightning_ft.replica.data import (SlotStream, advance_cursor, cursors_at, read_cursor, read_cursors,
+                                       record_commit, recorded, seed_generation, verify_ledger)
 
 ROOT = "/lft/j/"
 
@@ -24,18 +23,6 @@ def test_slots_split_the_global_order_round_robin_without_overlap():
     assert s.batch(0, 10) != s.batch(0, 0)  # the next epoch reshuffles
     with pytest.raises(ValueError, match="slot 3 out of range"):
         s.batch(3, 0)
-
-
-def test_sampler_reposition_stops_stale_iterators():
-    s = SlotStream(64, 4, 2, shuffle=False)
-    sampler = SlotSampler(s, slot=1, start=2)
-    it = iter(sampler)
-    assert next(it) == s.batch(1, 2)
-    assert next(it) == s.batch(1, 3)  # prefetched one ahead
-    sampler.seek(3)
-    with pytest.raises(StopIteration):
-        next(it)
-    assert next(iter(sampler)) == s.batch(1, 3)
 
 
 def test_cursor_advances_monotonically_under_races():
@@ -62,13 +49,6 @@ def test_ledger_accepts_an_exact_partition_and_names_duplicates_and_gaps():
     assert rep.duplicates == [(0, 2)] and rep.gaps == [(1, 2)]
     record_commit(store, ROOT, 3, 1, 2, 3, {0: 3, 1: 2, 2: 3})
     assert verify_ledger(store, ROOT).conflicts[0].startswith("generation 0 step 3: committers disagree")
-
-
-def test_loader_state_is_written_atomically(tmp_path):
-    path = tmp_path / "d" / "loader_state.json"
-    write_loader_state(str(path), {1: 4, 0: 7})
-    assert path.read_text() == '{"0": 7, "1": 4}'
-    assert [p.name for p in path.parent.iterdir()] == ["loader_state.json"]
 
 
 def _train(store, gen, steps, slots, start=None, rid=0):

@@ -70,7 +70,8 @@ def test_a_commit_names_its_round_in_the_next_report():
     assert m._report_state()["made"] == (-1, -1)  # a fresh process: not known
     q = Quorum(round=12, epoch=4, members=(0, 1), incarnations=(0, 0), max_step=6, contributors=(0, 1), lagging=(),
                gen=0)
-    m.last_plan = StepPlan(step=6, quorum=q, role="train", divisor=2, lr_factor=1.0, batch_index=7, batches={0: 6, 1: 7})
+    m.last_plan = StepPlan(step=6, quorum=q, role="train", divisor=2, lr_factor=1.0, batch_index=7,
+                           batches={0: 6, 1: 7})
     for p in m.model.parameters():
         p.grad = torch.ones_like(p)
     assert m.commit(OK)

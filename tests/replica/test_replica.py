@@ -1,7 +1,8 @@
 """The replica core end to end: real processes, a real etcd, the plain torch loop.
 
-Invariants asserted (DESIGN §5): replicas bitwise identical after every committed step, and
-every batch trained exactly once (the commits/ ledger is an exact partition)."""
+Invariants asserted (docs/ARCHITECTURE.md, "Invariants and where they are tested"): replicas
+bitwise identical after every committed step, and every batch trained exactly once (the
+commits/ ledger is an exact partition)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -88,8 +90,8 @@ def test_no_failures_matches_single_process_and_stays_identical(job_factory, wor
 def stall_around(rows: list[dict], t_event: float) -> float:
     """Longest gap between committed steps that spans t_event, minus the median step time."""
     ts = [r["t"] for r in rows]
-    dts = [b - a for a, b in zip(ts, ts[1:])]
-    spanning = [b - a for a, b in zip(ts, ts[1:]) if a <= t_event <= b + 2.0]
+    dts = [b - a for a, b in pairwise(ts)]
+    spanning = [b - a for a, b in pairwise(ts) if a <= t_event <= b + 2.0]
     return max(spanning) - statistics.median(dts)
 
 

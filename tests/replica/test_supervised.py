@@ -1,6 +1,6 @@
 """The plain loop under the real Supervisor with injected failures (kill, hang, exception):
-the supervisor evicts and restarts, restarted replicas catch up, and the DESIGN §5
-invariants hold at the end."""
+the supervisor evicts and restarts, restarted replicas catch up, and the invariants hold at
+the end (docs/ARCHITECTURE.md, "Invariants and where they are tested")."""
 from __future__ import annotations
 
 import pytest
@@ -35,7 +35,8 @@ def test_supervised_job_survives_kill_hang_and_exception(etcd_endpoint, tmp_path
     cmd = [sys.executable, LOOP, "--dim", "16", "--hidden", "32", "--batch", "8", "--steps", "230",
            "--step-sleep", "0.1", "--ttl", "1", "--ftar-timeout", "3", "--init-timeout", "30",
            "--failures", "1@10:kill,2@80:hang,0@150:exception"]
-    sup = Supervisor(cmd, replicas=3, nproc_per_replica=1, job=job, etcd=etcd_endpoint, secret="supervised-test-secret-0123",
+    sup = Supervisor(cmd, replicas=3, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
+                     secret="supervised-test-secret-0123",
                      run_dir=str(tmp_path), restart_delay_s=0.5, max_restarts=3)
     try:
         sup.start()

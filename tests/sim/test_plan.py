@@ -2,6 +2,7 @@
 times are known exactly, the JSON and text output, and plan.png."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -96,7 +97,7 @@ def test_measure_run_reads_every_time_of_an_ft_run(tmp_path):
 
 
 def test_measure_run_reads_a_world_restart(tmp_path):
-    tk = world_run(str(tmp_path))
+    world_run(str(tmp_path))
     m = plan.measure_run(str(tmp_path))
     assert m["mode"] == "restart" and m["failures"] == 1  # the healthy replica's eviction is no failure
     assert m["detect_s"] == pytest.approx(0.1)
@@ -189,3 +190,11 @@ def test_durations_and_counts():
 
     with pytest.raises(argparse.ArgumentTypeError, match="not a duration"):
         plan.duration("soon")
+
+
+def test_plan_png_goes_to_the_run_directory_or_runs_never_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["plan", "--preset", "paper", "--json"]) == 0
+    assert (tmp_path / "runs" / "plan" / "plan.png").is_file() and not (tmp_path / "plan.png").exists()
+    assert plan.png_path(argparse.Namespace(png=None, from_run="r/d")) == os.path.join("r/d", "plan.png")
+    assert plan.png_path(argparse.Namespace(png="x.png", from_run="r/d")) == "x.png"

@@ -54,7 +54,8 @@ def test_ledger_gives_each_steps_slot_batches_and_refuses_gaps():
     store, root = MemoryStore(), keys.root("/lft", "j", "r1")
     for step, batches in enumerate([{0: 0, 1: 0}, {0: 1}, {0: 2, 1: 1}]):
         for rid in batches:
-            store.put(keys.commit(root, 0, step, rid), json.dumps({"batches": batches, "contributors": list(batches)}).encode())
+            store.put(keys.commit(root, 0, step, rid),
+                      json.dumps({"batches": batches, "contributors": list(batches)}).encode())
     for slot, c in ((0, 3), (1, 2)):
         store.put(keys.cursor(root, slot), str(c).encode())
     got = ledger(store, root, replicas=2, steps=3)

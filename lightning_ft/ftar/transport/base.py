@@ -1,4 +1,4 @@
-"""What every FTAR transport shares (DESIGN §4): errors, chunk headers, the link interface.
+"""What every FTAR transport shares (README.md, "FTAR transports"): errors, chunk headers, the link interface.
 
 A ring neighbour pair is joined by two *links*, one per direction, set up per epoch by
 the endpoint's handshake (endpoint.py). The engine writes chunk j of a ring step with
@@ -112,7 +112,8 @@ class Identity:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    # numpy declares ndarray.__buffer__ for Python 3.12+ only; every supported numpy has the buffer protocol.
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 
@@ -242,10 +243,10 @@ class LinkKind(ABC):
     def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
         """Receiver side, after the dialer confirmed."""
 
-    def discard(self, state: object) -> None:
+    def discard(self, state: object) -> None:  # noqa: B027 - optional: the default holds nothing to free
         """Free the receive resources of a handshake that did not complete."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: the default holds nothing to release
         """Release what the kind holds for the endpoint's lifetime (device, registrations)."""
 
 

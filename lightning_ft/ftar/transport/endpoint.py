@@ -1,4 +1,4 @@
-"""One rank's FTAR endpoint: listener, authenticated handshake, per-link kind choice (DESIGN §4).
+"""One rank's FTAR endpoint: listener, authenticated handshake, per-link kind choice (docs/ARCHITECTURE.md, "Security").
 
 Each epoch we dial the right neighbour (our TxLink) and the left neighbour dials us (our
 RxLink). Every link starts as a TCP connection with this handshake (length-prefixed
@@ -34,8 +34,8 @@ from typing import Callable, Optional
 
 from lightning_ft.threads import Thread
 
-from .base import (ChunkHeader, FatalError, Identity, LinkContext, LinkKind, RecoverableError, RxLink, SetupError, TxLink,
-                   allowed_kinds, choose_link, close_socket, host_id, mac)
+from .base import (ChunkHeader, FatalError, Identity, LinkContext, LinkKind, RecoverableError, RxLink, SetupError,
+                   TxLink, allowed_kinds, choose_link, close_socket, host_id, mac)
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,8 @@ class Endpoint:
             send_msg(conn, {"ok": True, "replica": me.replica, "rank": me.rank, "nonce": nonce_a,
                             "mac": mac(me.secret, "acceptor", nonce_d, me.job, epoch, me.replica, me.rank)})
             proof = recv_msg(conn, deadline)
-            if not _same_mac(mac(me.secret, "dialer", nonce_a, me.job, epoch, replica, rank, index), proof.get("mac", "")):
+            want = mac(me.secret, "dialer", nonce_a, me.job, epoch, replica, rank, index)
+            if not _same_mac(want, proof.get("mac", "")):
                 why = "" if hello.get("job") != me.job else " (wrong job secret)"
                 return self._refuse(conn, f"{who}: authentication failed{why}", told="authentication failed")
             authenticated = True

@@ -1,4 +1,4 @@
-"""RDMA links over pyverbs (DESIGN §4): RC queue pairs, RDMA_WRITE_WITH_IMM into registered slots.
+"""RDMA links over pyverbs (README.md, "FTAR transports"): RC queue pairs, RDMA_WRITE_WITH_IMM into registered slots.
 
 Everything but the verbs calls is shared with shm: the slot/credit state machines
 (slots.py), the waiting, deadlines, side channel and error paths (onesided.py), and the
@@ -29,13 +29,18 @@ import os
 import random
 import socket
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
-from .base import ChunkHeader, FatalError, LinkContext, LinkKind, RecoverableError, RxLink, SetupError, TxLink
+from .base import (ChunkHeader, FatalError, LinkContext, LinkKind, RecoverableError, RxLink, SetupError, TxLink,
+                   byte_view)
 from .onesided import OneSidedRx, OneSidedTx
 from .slots import HEADER_AREA, SlotLayout, imm_slot
+
+_Accepted = tuple[torch.Tensor, Any, Any, Any, int]
+"""`RdmaKind.accept`'s state: slots, memory region, queue pair, completion queue, PSN (the
+endpoint hands it back unchanged; pyverbs has no stubs)."""
 
 # ibv_wc_status (verbs.h); tests check these against pyverbs where it is installed.
 WC_STATUS = {0: "SUCCESS", 1: "LOC_LEN_ERR", 2: "LOC_QP_OP_ERR", 3: "LOC_EEC_OP_ERR", 4: "LOC_PROT_ERR",
@@ -202,16 +207,16 @@ class RdmaKind(LinkKind):
         return tx, self.dev.me(qp, psn)
 
     def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
-        slots, mr, qp, cq, psn = state
+        slots, mr, qp, cq, psn = cast(_Accepted, state)
         self.dev.connect(qp, psn, confirm)
         lay = self.layout
         payload = [slots[lay.payload_offset(j): lay.payload_offset(j) + lay.slot_bytes] for j in range(lay.num_slots)]
-        headers = [memoryview(slots[lay.header_offset(j): lay.header_offset(j) + HEADER_AREA].numpy())
+        headers = [byte_view(slots[lay.header_offset(j): lay.header_offset(j) + HEADER_AREA])
                    for j in range(lay.num_slots)]
         return RdmaRx(sock, peer, epoch, payload, headers, self.ctx.mismatch, self, (slots, mr, qp, cq))
 
     def discard(self, state: object) -> None:
-        slots, mr, qp, cq, _ = state
+        slots, mr, qp, cq, _ = cast(_Accepted, state)
         for r in (qp, cq, mr):
             r.close()
 

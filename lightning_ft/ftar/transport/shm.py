@@ -1,4 +1,4 @@
-"""Shared-memory links for ranks on one host (DESIGN §4, issue "RDMA ... through shm").
+"""Shared-memory links for ranks on one host (README.md, "FTAR transports").
 
 The same one-sided protocol as rdma (onesided.py, slots.py), with memory instead of a NIC:
   registration  the receiver creates a memfd of C slots per epoch and link (fresh memory,
@@ -18,12 +18,16 @@ import mmap
 import os
 import socket
 import struct
+from typing import cast
 
 import torch
 
 from .base import HEADER_SIZE, ChunkHeader, LinkContext, LinkKind, RxLink, SetupError, TxLink
 from .onesided import DOORBELL, OneSidedRx, OneSidedTx
 from .slots import SlotLayout
+
+_Accepted = tuple[int, mmap.mmap]
+"""`ShmKind.accept`'s state: the segment's fd and mapping (the endpoint hands it back unchanged)."""
 
 _MAGIC = b"LFTSHM01"
 _PAGE = 4096
@@ -97,13 +101,13 @@ class ShmKind(LinkKind):
         return ShmTx(sock, peer, epoch, _Segment(mm, self.layout), self.ctx.num_slots), {}
 
     def finish_accept(self, state: object, sock: socket.socket, epoch: int, peer: str, confirm: dict) -> RxLink:
-        fd, mm = state
+        fd, mm = cast(_Accepted, state)
         os.close(fd)  # the sender has mapped it: the mapping keeps the memory
         seg = _Segment(mm, self.layout)
         return ShmRx(sock, peer, epoch, seg, self.ctx.mismatch)
 
     def discard(self, state: object) -> None:
-        fd, mm = state
+        fd, mm = cast(_Accepted, state)
         os.close(fd)
         mm.close()
 

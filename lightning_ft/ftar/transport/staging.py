@@ -71,7 +71,7 @@ class DeviceStaging:
 
     # -- an all-reduce ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def active(self, tx: TxLink, ready: Sequence[object] = ()) -> Iterator[None]:
+    def active(self, tx: TxLink, ready: Sequence[torch.cuda.Event] = ()) -> Iterator[None]:
         """One all-reduce over link `tx`: on the staging stream, after the `ready` events
         (the caller's stream when it called `allreduce`); synchronized at the end, also
         when it fails, so that nothing of ours still writes the tensor afterwards."""
@@ -80,9 +80,11 @@ class DeviceStaging:
         if not self.cuda:
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        stream = self.stream
+        assert stream is not None  # made when self.cuda
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for ev in ready:
-                self.stream.wait_event(ev)
+                stream.wait_event(ev)
             try:
                 yield
             finally:
@@ -90,6 +92,7 @@ class DeviceStaging:
 
     def sync(self) -> None:
         if self.cuda:
+            assert self.stream is not None  # made when self.cuda
             self.stream.synchronize()
             self._rx_busy = [None] * self.C
 

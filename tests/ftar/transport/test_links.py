@@ -82,7 +82,7 @@ def test_auto_picks_shm_on_one_host_and_reports_it_in_the_run_log(capfd):
         assert [f.transport.tx.kind for f in fs] == ["shm"] * 3
         assert [f.transport.rx.kind for f in fs] == ["shm"] * 3
         xs = [torch.full((5000,), float(i)) for i in range(3)]
-        for w in [f.allreduce([x]) for f, x in zip(fs, xs)]:
+        for w in [f.allreduce([x]) for f, x in zip(fs, xs, strict=True)]:
             w.wait(10)
         assert all(torch.equal(x, torch.full((5000,), 3.0)) for x in xs)
         err = capfd.readouterr().err
@@ -99,7 +99,7 @@ def test_auto_next_to_tcp_settles_on_tcp_for_the_links_they_share():
         assert _connect(fs) == {}
         assert [f.transport.tx.kind for f in fs] == ["tcp", "tcp"]
         xs = [torch.ones(3000), torch.ones(3000)]
-        for w in [f.allreduce([x]) for f, x in zip(fs, xs)]:
+        for w in [f.allreduce([x]) for f, x in zip(fs, xs, strict=True)]:
             w.wait(10)
         assert torch.equal(xs[0], torch.full((3000,), 2.0))
     finally:
