@@ -4,7 +4,6 @@ is written. Otherwise a rewind (the quorum rewinds to the newest checkpoint when
 states are left) restores a state, and cursors, past batches the ledger never recorded, and
 the final history misses them. Found reading the code after a 100-fault soak under
 `stragglers.policy=exclude` reported lost batches, with 62 refused records among its events."""
-"""
 from __future__ import annotations
 
 from types import SimpleNamespace
