@@ -52,9 +52,9 @@ def job_cursors(mgr: Any) -> dict[int, int]:
     others' from the ledger, flushed first)."""
     q = mgr.last_plan.quorum
     mgr.flush_ledger()
-    return {slot: q.cursor_of(slot) + 1 if slot in q.contributors else ledger.read_cursor(mgr.store, mgr.root, slot,
-                                                                                          mgr.gen)
-            for slot in range(mgr.R)}
+    done = 0 if q.cont else 1  # a round continuing a batch advanced no cursor (quorum rule 15)
+    return {slot: q.cursor_of(slot) + done if slot in q.contributors
+            else ledger.read_cursor(mgr.store, mgr.root, slot, mgr.gen) for slot in range(mgr.R)}
 
 
 def describe(mgr: Any) -> dict:
