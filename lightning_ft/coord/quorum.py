@@ -63,7 +63,9 @@ Rules, in order:
    contributors at a batch boundary (a restarted replica that caught up to the same step)
    or naming another optimizer sit it out as lagging: they apply that optimizer's step by
    catch-up. Otherwise the round starts a batch with the lowest-id contributor's known
-   optimizer (-1 when none knows). One optimizer: every report says (0, False), no change.
+   optimizer, else the one batches started with so far (`Quorum.first`, carried from round
+   to round), else -1 (the job's first batch, before anyone stepped). One optimizer: every
+   report says (0, False), no change.
 """
 from __future__ import annotations
 
@@ -196,6 +198,10 @@ class Quorum:
     cont: bool = False
     """The round continues a batch (its second or later optimizer step): it records no batch in
     the ledger and advances no cursor; replicas at a batch boundary sit it out (rule 15)."""
+    first: int = -1
+    """The optimizer the job's batches start with, once a round named it (rule 15): a batch
+    start whose contributors do not know theirs yet (replicas before their first batch) steps
+    it, so that a lagging replica knows which step to apply."""
 
     def index(self, rid: int) -> int:
         return self.members.index(rid)
@@ -450,8 +456,11 @@ def compute_quorum(
 
     # Rule 15: optimizer steps of one batch.
     opt, cont = 0, False
+    first = previous.first if previous is not None else -1
     if kind == TRAIN and contributors:
-        opt, cont, sit = phase_of({r: (valid[r].opt, valid[r].cont) for r in contributors})
+        opt, cont, sit = phase_of({r: (valid[r].opt, valid[r].cont) for r in contributors}, first)
+        if not cont and opt >= 0:
+            first = opt
         if sit:
             contributors = tuple(r for r in contributors if r not in sit)
             notes.append(f"{_names(sit)} sit out optimizer {opt}'s step "
@@ -520,24 +529,26 @@ def compute_quorum(
                contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
-               quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members), opt=opt, cont=cont)
+               quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members), opt=opt, cont=cont,
+               first=first)
     return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
                     excluded_straggler=slow_out)
 
 
-def phase_of(phases: Mapping[int, tuple[int, bool]]) -> tuple[int, bool, tuple[int, ...]]:
+def phase_of(phases: Mapping[int, tuple[int, bool]], first: int = -1) -> tuple[int, bool, tuple[int, ...]]:
     """Rule 15: (optimizer, continues a batch, contributors that sit out) of a train round from
     its contributors' (opt, cont). A batch in progress goes on: its lowest-id continuer names
     the optimizer, and everyone not continuing with that optimizer sits out. Else the round
-    starts a batch with the lowest-id known optimizer; those naming another sit out, those that
-    do not know theirs yet (-1) train whatever it is."""
+    starts a batch with the lowest-id known optimizer (else `first`, the one batches started
+    with so far); those naming another sit out, those that do not know theirs yet (-1) train
+    whatever it is."""
     rids = sorted(phases)
     conts = [r for r in rids if phases[r][1]]
     if conts:
         opt = phases[conts[0]][0]
         return opt, True, tuple(r for r in rids if phases[r] != (opt, True))
     known = [phases[r][0] for r in rids if phases[r][0] >= 0]
-    opt = known[0] if known else -1
+    opt = known[0] if known else first
     return opt, False, tuple(r for r in rids if phases[r][0] not in (opt, -1))
 
 

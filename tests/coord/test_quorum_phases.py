@@ -40,6 +40,23 @@ def test_phase_of_table(phases, expected):
     assert phase_of(phases) == expected
 
 
+def test_a_batch_start_nobody_named_steps_the_optimizer_batches_started_with():
+    assert phase_of({0: (-1, False), 1: (-1, False)}, first=1) == (1, False, ())
+    assert phase_of({0: (-1, False), 1: (0, False)}, first=1) == (0, False, ())  # a report wins
+    assert phase_of({0: (1, True)}, first=0) == (1, True, ())
+
+
+def test_rounds_carry_the_first_optimizer_so_a_lagging_replica_knows_the_step():
+    start = decide([rep(0, opt=1), rep(1, opt=1), rep(2, opt=1)]).quorum  # d_opt (index 1) steps first
+    assert (start.opt, start.first) == (1, 1)
+    mid = decide([rep(0, opt=0, cont=True), rep(1, opt=0, cont=True)], previous=start).quorum
+    assert (mid.opt, mid.cont, mid.first) == (0, True, 1)
+    # replicas back from a restart, before their first batch, and one behind: it applies optimizer 1
+    nxt = compute_quorum(6, {r.rid: r for r in [rep(0, step=6, round=6, opt=-1), rep(1, step=6, round=6, opt=-1),
+                                              rep(2, step=5, round=6, opt=-1)]}, frozenset(), mid, JOB, 99.0).quorum
+    assert (nxt.opt, nxt.cont, nxt.lagging) == (1, False, (2,))
+
+
 def test_single_optimizer_reports_make_the_same_quorum_as_before():
     d = decide([rep(0), rep(1), rep(2)])
     q = d.quorum
