@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     trainer = L.Trainer(strategy="ft_hsdp", accelerator="cpu", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Slow(0.03)], default_root_dir=os.environ.get("LFT_RUN_DIR", "."))
+                        callbacks=[Slow(0.03, 1.0)], default_root_dir=os.environ.get("LFT_RUN_DIR", "."))
     trainer.fit(SimpleGAN())
     return 0
 

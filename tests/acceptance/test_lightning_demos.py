@@ -109,7 +109,7 @@ def test_gan_with_manual_optimization_unseeded_survives_a_random_kill(tmp_path, 
     """Two optimizers under manual optimization (issue 24 part 2): the kill lands anywhere, also
     between the discriminator's and the generator's steps of one batch. global_step counts
     optimizer steps (two per batch), as under DDP; the ledger records each batch once."""
-    steps = 60
+    steps = 80  # 40 batches
     run, faults = run_with_faults(tmp_path, etcd_endpoint, GAN, str(steps), replicas=3, steps=steps, seed=4,
                                   kill=True)
     assert_consistent(run, steps, 3, faults)
