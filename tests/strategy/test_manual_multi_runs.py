@@ -68,3 +68,60 @@ def test_gan_sigkill_between_the_two_optimizer_steps_of_a_batch(tmp_path, etcd_e
         for r in rows:
             assert r["step"] % 2 == 0, r
             assert r["lrs"] == pytest.approx([lr_d(r["step"] // 2), lr_g(r["step"] // 2)], rel=1e-9), r
+
+
+def test_gan_checkpoint_carries_both_optimizers_and_schedulers(tmp_path, etcd_endpoint):
+    """A whole-job restart from a checkpoint (every optimizer's state, every scheduler, the
+    committed batch count) ends bitwise where the uninterrupted GAN ends."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from lightning_ft.replica import checkpoint as ck
+    from tests.procs import children
+    from tests.strategy.runs import SCRIPT
+
+    steps = 24
+    ckpt = ("checkpoint.every_n_steps=8", "checkpoint.keep=5")
+    clean = lft_run(tmp_path, etcd_endpoint, "--gan", "--steps", str(steps), "--steplr", overrides=ckpt)
+    assert clean.proc.returncode == 0, ok(clean)
+    meta = json.load(open(os.path.join(ck.step_dir(os.path.join(clean.run_dir, "checkpoints"), 16), "meta.json")))
+    assert meta["step"] == 16 and meta["batches"] == 8, meta
+
+    job = "gck" + uuid.uuid4().hex[:8]
+    run_dir = str(tmp_path / job)
+    root = os.path.join(run_dir, "checkpoints")
+    cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd", etcd_endpoint,
+           "--job", job, "--run-dir", run_dir, "--no-status", SCRIPT, "--gan", "--steps", str(steps), "--steplr",
+           "--step-sleep", "0.25", "etcd.lease_ttl_s=1", "quorum.init_timeout_s=60", *ckpt]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        while not os.path.exists(os.path.join(ck.step_dir(root, 8), "manifest.json")):
+            assert time.monotonic() < deadline and p.poll() is None, "no step-8 checkpoint"
+            kids = children(p.pid) or kids
+            time.sleep(0.05)
+        kids = children(p.pid) or kids
+        for pid in [p.pid, *kids]:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait(10)
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    resume = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--resume", run_dir, "--etcd", etcd_endpoint,
+              "--no-status", "--timeout", "150", SCRIPT, "--gan", "--steps", str(steps), "--steplr"]
+    r = subprocess.run(resume, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "resuming from" in r.stdout, r.stdout[-2000:]
+    finals = [json.load(open(os.path.join(run_dir, f"replica_{i}", "final.json"))) for i in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == steps
+    assert finals[0]["digest"] == finals[1]["digest"] == clean.finals[0]["digest"], (finals, clean.finals)
