@@ -139,7 +139,7 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
     if decision != "ok":
         raise ResumeError(f"replica {mgr.rid}: this job already started from another checkpoint position "
                           f"({decision}); every replica must resume from the same ckpt_path")
-    mgr.step = point.step
+    mgr.step = mgr.batches = point.step  # batches: right for one optimizer (several: docs, known limits)
     mgr.cursor = point.cursors.get(mgr.rid, point.step)
     if mgr.is_leader:
         print(f"lightning-ft: replica {mgr.rid} resumes at step {point.step} ({point.source} checkpoint; slot "
