@@ -641,7 +641,7 @@ def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
     d = 0 if q.cont else 1
     return replace(q, round=nxt, max_step=q.max_step + 1, cursors=tuple(c + d for c in q.cursors),
                    slot_cursors=tuple(c + d for c in q.slot_cursors), strikes=0, steady=True,
-                   opt=view.opt, cont=view.cont,
+                   opt=view.opt, cont=view.cont, first=q.first if view.cont else view.opt,
                    reason=f"round {nxt} epoch {q.epoch}: steady ({len(q.members)} replicas, unchanged since round "
                           f"{q.round}); max_step {q.max_step + 1}")
 

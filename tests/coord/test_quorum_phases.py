@@ -128,5 +128,12 @@ def test_steady_rounds_advance_cursors_only_after_a_batch_start(now, nxt, advanc
     assert n.cursors == tuple(c + advance for c in q.cursors)
 
 
+def test_steady_rounds_learn_the_first_optimizer_from_a_batch_start():
+    q = dataclasses.replace(_settled(1, True), first=-1)
+    start = steady_next(q, view(1, False))
+    assert (start.opt, start.cont, start.first) == (1, False, 1)
+    assert steady_next(start, view(0, True)).first == 1
+
+
 def test_no_steady_round_for_a_replica_that_does_not_know_its_optimizer():
     assert steady_next(_settled(), view(-1, False)) is None
