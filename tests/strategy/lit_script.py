@@ -183,7 +183,8 @@ class GAN(MLP):
         self.pace()
         bce = nn.functional.binary_cross_entropy_with_logits
         # discriminator
-        self.toggle_optimizer(opt_d)
+        if not self.a.no_toggle:
+            self.toggle_optimizer(opt_d)
         fake = self.net(x).detach()
         real_logit, fake_logit = self.disc(torch.cat([x, y], 1)), self.disc(torch.cat([x, fake], 1))
         d_loss = bce(real_logit, torch.ones_like(real_logit)) + bce(fake_logit, torch.zeros_like(fake_logit))
@@ -192,7 +193,8 @@ class GAN(MLP):
         if self.a.clip:
             self.clip_gradients(opt_d, gradient_clip_val=self.a.clip, gradient_clip_algorithm="norm")
         opt_d.step()
-        self.untoggle_optimizer(opt_d)
+        if not self.a.no_toggle:
+            self.untoggle_optimizer(opt_d)
         if self.a.kill_between:
             rid, at = (int(v) for v in self.a.kill_between.split(":"))
             mgr = self.trainer.strategy.mgr
@@ -201,14 +203,16 @@ class GAN(MLP):
                 print(json.dumps({"event": "kill_between", "step": mgr.step, "opt_d_steps": mgr.step}), flush=True)
                 os.kill(os.getpid(), 9)
         # generator
-        self.toggle_optimizer(opt_g)
+        if not self.a.no_toggle:
+            self.toggle_optimizer(opt_g)
         gen = self.net(x)
         g_logit = self.disc(torch.cat([x, gen], 1))
         g_loss = bce(g_logit, torch.ones_like(g_logit)) + nn.functional.mse_loss(gen, y)
         opt_g.zero_grad()
         self.manual_backward(g_loss)
         opt_g.step()
-        self.untoggle_optimizer(opt_g)
+        if not self.a.no_toggle:
+            self.untoggle_optimizer(opt_g)
         if self.a.steplr:
             for sch in self.lr_schedulers():
                 sch.step()
@@ -240,6 +244,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--manual", action="store_true")
     p.add_argument("--gan", action="store_true")
     p.add_argument("--kill-between", default="")
+    p.add_argument("--no-toggle", action="store_true", help="(--gan) without toggle_optimizer/untoggle_optimizer")
     p.add_argument("--steplr", action="store_true")
     p.add_argument("--decay", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
