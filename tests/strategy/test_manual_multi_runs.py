@@ -53,7 +53,7 @@ def test_gan_two_optimizers_three_replicas_identical_exact_ledger_two_steps_per_
 
 
 def test_gan_sigkill_between_the_two_optimizer_steps_of_a_batch(tmp_path, etcd_endpoint):
-    steps = 40
+    steps = 64  # a restart takes 10-20 s on a loaded machine: leave it 28 batches of 1 s to rejoin in
     run = lft_run(tmp_path, etcd_endpoint, "--gan", "--steps", str(steps), "--steplr", "--degraded-sleep", "1.0",
                   "--kill-between", "1:7", replicas=3)
     batches = assert_identical_and_exact(run, steps, 3)
