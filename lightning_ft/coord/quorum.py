@@ -55,6 +55,17 @@ Rules, in order:
    rounds (`Quorum.slow`, doubling on each repeat; it is not a member and the round does not
    wait for it), unless that would leave fewer than min_replicas members; it then rejoins as
    lagging and is measured afresh.
+15. Optimizer steps (manual optimization with several optimizers; after rule 8): every
+   `optimizer.step()` is one round. A report names the optimizer its next round steps
+   (`opt`; -1: not known yet, a replica before its first batch) and whether that round
+   continues a batch whose first step it committed (`cont`). When a contributor continues a
+   batch, the round does (`Quorum.cont`, `Quorum.opt`: the lowest-id such contributor's);
+   contributors at a batch boundary (a restarted replica that caught up to the same step)
+   or naming another optimizer sit it out as lagging: they apply that optimizer's step by
+   catch-up. Otherwise the round starts a batch with the lowest-id contributor's known
+   optimizer, else the one batches started with so far (`Quorum.first`, carried from round
+   to round), else -1 (the job's first batch, before anyone stepped). One optimizer: every
+   report says (0, False), no change.
 """
 from __future__ import annotations
 
@@ -119,6 +130,10 @@ class Report:
     previous step to ready-to-exchange; -1 while it has fewer since it (re)joined. Rule 14."""
     compute_round: int = -1
     """The round of the newest step in `compute_ms`."""
+    opt: int = 0
+    """The optimizer its next round steps (-1: not known yet, before its first batch). Rule 15."""
+    cont: bool = False
+    """Its next round continues a batch whose first optimizer step it committed. Rule 15."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -177,6 +192,16 @@ class Quorum:
     """Train rounds under batch_policy "constant": the cursor of every slot 0..R-1 (members'
     as reported, the others' from the ledger), so contributors can train absent slots
     (replica/batch_policy.py). Empty otherwise."""
+    opt: int = 0
+    """The optimizer this round steps (rule 15; -1: the contributors step the first one their
+    batch steps, which no report named yet)."""
+    cont: bool = False
+    """The round continues a batch (its second or later optimizer step): it records no batch in
+    the ledger and advances no cursor; replicas at a batch boundary sit it out (rule 15)."""
+    first: int = -1
+    """The optimizer the job's batches start with, once a round named it (rule 15): a batch
+    start whose contributors do not know theirs yet (replicas before their first batch) steps
+    it, so that a lagging replica knows which step to apply."""
 
     def index(self, rid: int) -> int:
         return self.members.index(rid)
@@ -429,6 +454,18 @@ def compute_quorum(
             contributors = (_newest(valid, usable, top),)
             notes.append(f"sync: every replica adopts r{contributors[0]}'s state")
 
+    # Rule 15: optimizer steps of one batch.
+    opt, cont = 0, False
+    first = previous.first if previous is not None else -1
+    if kind == TRAIN and contributors:
+        opt, cont, sit = phase_of({r: (valid[r].opt, valid[r].cont) for r in contributors}, first)
+        if not cont and opt >= 0:
+            first = opt
+        if sit:
+            contributors = tuple(r for r in contributors if r not in sit)
+            notes.append(f"{_names(sit)} sit out optimizer {opt}'s step "
+                         + ("continuing a batch (they are at a batch boundary)" if cont else "(another optimizer)"))
+
     # Rule 9: the divergence guard.
     diverged: dict[int, tuple[str, str]] = {}
     if kind == TRAIN:
@@ -492,9 +529,27 @@ def compute_quorum(
                contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
-               quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members))
+               quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members), opt=opt, cont=cont,
+               first=first)
     return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
                     excluded_straggler=slow_out)
+
+
+def phase_of(phases: Mapping[int, tuple[int, bool]], first: int = -1) -> tuple[int, bool, tuple[int, ...]]:
+    """Rule 15: (optimizer, continues a batch, contributors that sit out) of a train round from
+    its contributors' (opt, cont). A batch in progress goes on: its lowest-id continuer names
+    the optimizer, and everyone not continuing with that optimizer sits out. Else the round
+    starts a batch with the lowest-id known optimizer (else `first`, the one batches started
+    with so far); those naming another sit out, those that do not know theirs yet (-1) train
+    whatever it is."""
+    rids = sorted(phases)
+    conts = [r for r in rids if phases[r][1]]
+    if conts:
+        opt = phases[conts[0]][0]
+        return opt, True, tuple(r for r in rids if phases[r] != (opt, True))
+    known = [phases[r][0] for r in rids if phases[r][0] >= 0]
+    opt = known[0] if known else first
+    return opt, False, tuple(r for r in rids if phases[r][0] not in (opt, -1))
 
 
 def _newest(valid: Mapping[int, Report], usable: Mapping[int, int], top: int) -> int:
@@ -557,6 +612,10 @@ class LocalView:
     Judged from the round, not from this replica's step, so every member agrees."""
     stop: bool = False
     """This replica asks to stop."""
+    opt: int = 0
+    """The optimizer this replica's next round steps (rule 15)."""
+    cont: bool = False
+    """Its next round continues the batch of round q (rule 15)."""
 
 
 def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
@@ -573,10 +632,16 @@ def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
         return None
     if not steady_eligible(q):
         return None
+    if view.opt < 0:  # a replica before its first batch: its step is not known yet
+        return None
     nxt = q.round + 1
-    # Every member trained one batch of its slot; under "constant" so did every absent slot.
-    return replace(q, round=nxt, max_step=q.max_step + 1, cursors=tuple(c + 1 for c in q.cursors),
-                   slot_cursors=tuple(c + 1 for c in q.slot_cursors), strikes=0, steady=True,
+    # Every member trained one batch of its slot (under "constant" so did every absent slot),
+    # unless q continued a batch (rule 15): its batch was counted at the batch's first step.
+    # Every member contributed to q and runs the same program, so all name the same next step.
+    d = 0 if q.cont else 1
+    return replace(q, round=nxt, max_step=q.max_step + 1, cursors=tuple(c + d for c in q.cursors),
+                   slot_cursors=tuple(c + d for c in q.slot_cursors), strikes=0, steady=True,
+                   opt=view.opt, cont=view.cont, first=q.first if view.cont else view.opt,
                    reason=f"round {nxt} epoch {q.epoch}: steady ({len(q.members)} replicas, unchanged since round "
                           f"{q.round}); max_step {q.max_step + 1}")
 

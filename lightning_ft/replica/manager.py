@@ -35,7 +35,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -53,6 +53,7 @@ from lightning_ft.replica import data as ledger
 from lightning_ft.replica.batch_policy import POLICIES, round_batches
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
+from lightning_ft.replica.optimizers import Optimizers, unwrap
 from lightning_ft.replica.state import (combine, fast_digest, hyperparameters, materialize_optimizer_state,
                                         opt_params, param_layout, state_tensors)
 from lightning_ft.secret import tag as secret_tag
@@ -102,6 +103,10 @@ class StepPlan:
     extra: tuple[tuple[int, int], ...] = ()
     """(slot, k) batches of absent slots this replica trains besides its own (batch_policy
     "constant"; `run_step(extra=...)` computes them)."""
+    opt: int = 0
+    """The optimizer this round steps (quorum rule 15; -1: not known yet)."""
+    cont: bool = False
+    """The round continues a batch: no batch in its ledger record, no cursor advances."""
 
     @property
     def contribute(self) -> bool:
@@ -148,7 +153,7 @@ class StepResult:
 class ReplicaManager:
     """One per rank. The leader (rank 0 of the replica) also owns the Coordinator."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rid: int,
+    def __init__(self, model: torch.nn.Module, optimizer: Any, *, job: str, rid: int,
                  incarnation: int, num_replicas: int, secret: str, etcd: str = "", store: Optional[Store] = None,
                  rank: int = 0, world: int = 1, pg: Any = None, min_replicas: int = 1, prefix: str = "/lft",
                  lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0, init_timeout_s: float = 10.0,
@@ -165,7 +170,17 @@ class ReplicaManager:
         if batch_policy not in POLICIES:
             raise ValueError(f"batch_policy {batch_policy!r} is not one of {POLICIES}")
         self.batch_policy = batch_policy
+        if isinstance(optimizer, (list, tuple)):  # manual optimization with several: replica/optimizers.py
+            optimizer = optimizer[0] if len(optimizer) == 1 else Optimizers(optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.multi = isinstance(optimizer, Optimizers)
+        """Several optimizers: each `optimizer.step()` is a round (quorum rule 15)."""
+        self.phase: tuple[int, bool] = (-1 if self.multi else 0, False)
+        """(optimizer, continues a batch) of this replica's next round (reported; rule 15)."""
+        self.batches = 0
+        """Batches the job's history committed (one per batch-start round): `step` counts optimizer
+        steps; with one optimizer both are equal."""
+        self._all_buckets: list[GradBuckets] = []
         # Captured now, while FSDP2's parameters are the sharded DTensors (see state.py).
         self._named_params = list(model.named_parameters())
         self.job, self.rid, self.incarnation = job, rid, incarnation
@@ -340,9 +355,13 @@ class ReplicaManager:
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
         addrs = self._gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
-        self.buckets = GradBuckets(opt_params(self.optimizer), self._send_bucket, f"replica {self.rid}")
-        self.buckets.attach()
-        self.optimizer.zero_grad = self.buckets.zero  # keep .grad as views of the exchange buffer
+        # One flat buffer per optimizer: a round exchanges the one it steps.
+        opts = self.optimizer.optimizers if self.multi else [self.optimizer]
+        self._all_buckets = [GradBuckets(opt_params(o), self._send_bucket, f"replica {self.rid}") for o in opts]
+        for o, b in zip(opts, self._all_buckets):
+            b.attach()
+            o.zero_grad = b.zero  # keep .grad as views of the exchange buffer
+        self.buckets = self._all_buckets[0]
         self.root, self.gen, self.cursor = self._leader_result(lambda: self._register(addrs))
 
     def _register(self, addrs: list) -> tuple[str, int, int]:
@@ -382,7 +401,8 @@ class ReplicaManager:
     def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
         """Exchange gradient buckets from backward hooks (buckets.py); same `bucket_bytes` on
         every replica of a job."""
-        self.buckets.enable_overlap(bucket_bytes)
+        for b in self._all_buckets:
+            b.enable_overlap(bucket_bytes)
 
     def event(self, name: str, **fields: Any) -> None:
         """Append an event to {run_dir}/events.jsonl (one write, O_APPEND: safe beside the launcher)."""
@@ -495,13 +515,21 @@ class ReplicaManager:
                 self._ring_ok, self._blame = False, self._blamed(q, e)
         if role == "train" and q.lagging:
             self._publish_snapshot(q)
-        rb = None if q.kind != "train" else round_batches(
+        cont = q.kind == "train" and q.cont  # rule 15: the batch was counted at its first step
+        rb = None if q.kind != "train" or cont else round_batches(
             self.batch_policy, q.contributors, {c: q.cursor_of(c) for c in q.contributors}, self.R, q.slot_cursors)
         trained = rb.divisor if rb is not None else len(q.contributors)
         plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=trained,
                         lr_factor=lr_factor(self.lr_mode, trained, self.R), batch_index=self.cursor,
-                        batches=rb.batches if rb is not None else None,
-                        extra=rb.extra_of(self.rid) if rb is not None and role == "train" else ())
+                        batches=rb.batches if rb is not None else ({} if cont else None),
+                        extra=rb.extra_of(self.rid) if rb is not None and role == "train" else (),
+                        opt=q.opt, cont=cont)
+        if self.multi:
+            # A round nobody named an optimizer for (-1) is trained with the contributors' own
+            # first one; a lagging replica cannot know it, and sits it out (`exchange`).
+            if plan.opt < 0 and role == "train" and self.phase[0] >= 0:
+                plan = replace(plan, opt=self.phase[0])
+            self.buckets = self._all_buckets[max(plan.opt, 0)]
         self.last_plan = plan
         return plan
 
@@ -556,7 +584,7 @@ class ReplicaManager:
         state: dict[str, Any] = dict(gen=-1 if self._disowned else self.gen,
                                      synced=self.synced and not self._disowned, blame=self._blame,
                                      stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
-                                     made=self._made)
+                                     made=self._made, opt=self.phase[0], cont=self.phase[1])
         if len(self._compute) >= self.straggler_window:
             state.update(compute_ms=round(statistics.fmean(self._compute) * 1e3, 3), compute_round=self._compute_round)
         else:  # not measured since we (re)joined: say so, or the report would keep an old value
@@ -572,7 +600,8 @@ class ReplicaManager:
         if q is None or not self.steady:
             return None
         view = LocalView(committed=self._committed_round == q.round, changed=self.coord.changed,
-                         digest_due=self.digest_due(q.max_step + 1), stop=self.request_stop)
+                         digest_due=self.digest_due(q.max_step + 1), stop=self.request_stop,
+                         opt=self.phase[0], cont=self.phase[1])
         nxt = steady_next(q, view)
         if nxt is None:
             if must_abort(q, view):
@@ -634,7 +663,8 @@ class ReplicaManager:
         return plan
 
     def disarm(self) -> None:
-        self.buckets.disarm()
+        for b in self._all_buckets:
+            b.disarm()
 
     # -- the step ----------------------------------------------------------------------------------
     def prepare(self) -> StepResult:
@@ -642,7 +672,11 @@ class ReplicaManager:
         replica holds the job's current state. A training round it gets meanwhile is kept for
         the first `run_step` / `begin_step`."""
         res = StepResult()
-        while self._stash is None and (not self.synced or self.behind()):
+        if self.multi:
+            self.phase = (-1, False)  # rule 15: at a batch boundary, its first optimizer not known yet
+        # Several optimizers: until a round starts a batch with us, since the job may be inside a
+        # batch (rounds we sit out), and a batch computed meanwhile would be on replaced weights.
+        while self._stash is None and (self.multi or not self.synced or self.behind()):
             plan = self.start_step()
             if plan.sync:
                 res.synced |= self._sync(plan)
@@ -658,12 +692,17 @@ class ReplicaManager:
     def run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int] = None,
                  recompute: Optional[Callable[[StepPlan], Any]] = None, pending: Optional[Future] = None,
                  computed: bool = False, after_exchange: Optional[Callable[[], None]] = None,
-                 loss: Any = None, extra: Optional[Callable[[StepPlan], Any]] = None) -> StepResult:
+                 loss: Any = None, extra: Optional[Callable[[StepPlan], Any]] = None,
+                 phase: Optional[tuple[int, bool]] = None) -> StepResult:
         """Run rounds until one commits a step in which this replica trained (see `_run_step`).
+        `phase`: (optimizer, continues a batch) of this step, with several optimizers (quorum
+        rule 15); a step that continues a batch passes `batch=None`.
         A step trained cleanly (its first round, no retry, catch-up or recomputation) adds its
         compute time, from the previous call's return to ready-to-exchange, to the straggler
         measure (coord/stragglers.py); a catch-up or sync starts the measure afresh."""
         t_begin, self._clean = self._t_free, True
+        if phase is not None:
+            self.phase = (int(phase[0]), bool(phase[1]))
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             t_begin = None  # the checkpoint writer staged its state since: not compute
         self._t_ready = time.monotonic() if computed else None
@@ -708,17 +747,23 @@ class ReplicaManager:
             if first is None and batch is not None and self.cursor > batch and not behind:
                 return res
             plan, first = (first, None) if first is not None else (self.start_step(), None)
+            if self.multi and plan.contribute:
+                plan = self._own_optimizer(plan)
             if plan.sync:
                 ok = self._sync(plan)
                 res.synced |= ok
                 replaced |= ok
                 behind = not ok
+                if ok and self.phase[1]:  # the rest of our batch is not ours to train any more
+                    return res
                 continue
             if plan.role == "catchup":
                 behind = not self.commit(self.exchange(plan))
                 if not behind:
                     res.committed += 1
                     res.caught_up = replaced = True
+                    if self.phase[1]:  # rule 15: the job went on without the rest of our batch
+                        return res
                 continue
             if batch is not None and plan.batch_index != batch:
                 if plan.batch_index < batch:
@@ -732,6 +777,12 @@ class ReplicaManager:
             if computed and replaced:
                 self._clean = False
                 self.disarm()
+                if self.multi:
+                    # Several optimizers (rule 15): the rest of a batch is the job's, trained without
+                    # us; a batch's first step computed on replaced weights is delivered again
+                    # (`stale`: the caller re-positions its loader at our cursor) instead of a restart.
+                    res.stale = not self.phase[1]
+                    return res
                 if recompute is None:
                     raise StaleManualStep(f"replica {self.rid} fell behind with a half-trained manual-optimization "
                                           "step; exiting so that the launcher restarts it and it catches up first")
@@ -751,7 +802,7 @@ class ReplicaManager:
             # pays for a saved copy of its local gradients.
             vote = self.exchange(plan, save_grads=recompute is None)
             if vote == OK and self.scaler is not None:
-                self.scaler.unscale(self.optimizer)  # before clipping and the user's hooks, as Lightning does
+                self.scaler.unscale(self.stepped_optimizer(plan))  # before clipping and the user's hooks, as Lightning does
             if vote == OK and after_exchange is not None:
                 after_exchange()
             if self.commit(vote):
@@ -761,6 +812,25 @@ class ReplicaManager:
             self._clean = False  # a retry: this step's time is not its compute time
             if not self.restore_grads():
                 replaced = True  # the gradients are gone (zeroed): recompute them on the next round
+
+    def _own_optimizer(self, plan: StepPlan) -> StepPlan:
+        """A contributor's plan with the optimizer it steps (a round no report named one for)."""
+        mine = self.phase[0]
+        if plan.opt < 0 and mine >= 0:
+            plan = replace(plan, opt=mine)
+            self.last_plan, self.buckets = plan, self._all_buckets[mine]
+        if plan.opt != mine:
+            raise RuntimeError(f"replica {self.rid}: round {plan.quorum.round} steps optimizer {plan.opt} but this "
+                               f"replica's training_step stepped optimizer {mine}: every replica must step its "
+                               "optimizers in the same order")
+        return plan
+
+    def stepped_optimizer(self, plan: Optional[StepPlan] = None) -> Any:
+        """The torch optimizer a round steps (the only one, with one optimizer)."""
+        if not self.multi:
+            return self.optimizer
+        plan = plan or self.last_plan
+        return self.optimizer.optimizers[max(plan.opt if plan is not None else 0, 0)]
 
     # -- exchange and catch-up ------------------------------------------------------------------------
     def _send_bucket(self, view: torch.Tensor, plan: StepPlan) -> Any:
@@ -774,7 +844,9 @@ class ReplicaManager:
         t0 = time.perf_counter()
         works = self.buckets.send_all(plan, save_grads)
         vote = OK
-        if plan.lagging:  # fetch the healthy state while our zeros are on the wire
+        if plan.lagging and plan.opt < 0:  # which optimizer the contributors step is not known: retry
+            vote = FAILED
+        elif plan.lagging:  # fetch the healthy state while our zeros are on the wire
             vote = self._fetch(plan, deadline_s=self.ftar.timeout_s)
         nbytes = self.buckets.nbytes
         deadline = time.monotonic() + self.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
@@ -808,6 +880,7 @@ class ReplicaManager:
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "batches": self.batches,
         }
 
     def _publish_snapshot(self, q: Quorum) -> None:
@@ -852,6 +925,7 @@ class ReplicaManager:
             self.scheduler.load_state_dict(meta["scheduler"])
         if self.scaler is not None and meta.get("scaler") is not None:
             self.scaler.load_state_dict(meta["scaler"])
+        self.batches = int(meta.get("batches", plan.step))
         self.stats.catchup_s = time.perf_counter() - t0
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
         self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
@@ -934,7 +1008,7 @@ class ReplicaManager:
         from lightning_ft.replica.checkpoint import load
 
         materialize_optimizer_state(self.optimizer)
-        got = load(path, self.model, self.optimizer, pg=None if self.world == 1 else self.pg)
+        got = load(path, self.model, unwrap(self.optimizer), pg=None if self.world == 1 else self.pg)
         extra = got["extra"]
         for g, saved in zip(self.optimizer.param_groups, extra["param_groups"]):
             g.update(saved)
@@ -943,6 +1017,7 @@ class ReplicaManager:
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.step = int(got["meta"]["step"])
+        self.batches = int(got["meta"].get("batches", self.step))
         return got["meta"]
 
     def _start_generation(self, q: Quorum, cursors: Optional[dict[int, int]]) -> None:
@@ -970,10 +1045,11 @@ class ReplicaManager:
         if result == LOST:
             raise ReplicaStateLost(f"replica {self.rid}: a catch-up failed midway; the state is partly overwritten, "
                                    "so this replica exits to restart fresh")
+        opt = self.stepped_optimizer(plan)
         if result != OK:
             if self.scaler is not None:
                 self.scaler.reset()
-            self.optimizer.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
             self._cursor_stale = True
             self.stats.retries += 1
             self._ring_ok = False  # peers may be mid-collective: rebuild the ring next round
@@ -981,26 +1057,27 @@ class ReplicaManager:
                 self.on_retry(plan)
             return False
         if plan.role == "catchup" and self.scaler is not None:
-            self.scaler.unscale(self.optimizer)  # the contributors unscaled these averaged gradients too
+            self.scaler.unscale(opt)  # the contributors unscaled these averaged gradients too
         if plan.role == "catchup" and self.clip_catchup is not None:
             self.clip_catchup()  # the contributors clipped these averaged gradients too
         self.stats.freeze_s = self.server.freeze()
         # fp16: an inf/NaN in the averaged gradients skips the step on every rank of every replica
         skip = self.scaler.overflowed(self._any_rank) if self.scaler is not None else False
         if not skip:
-            saved = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
+            saved = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
                 g["lr"] = g["lr"] * plan.lr_factor
             try:
-                self.optimizer.step()
+                opt.step()
             finally:
-                for g, lr in zip(self.optimizer.param_groups, saved):
+                for g, lr in zip(opt.param_groups, saved):
                     g["lr"] = lr
         if self.scaler is not None:
             self.scaler.update(skip)
-        self.optimizer.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         q = plan.quorum
         self.step, self.gen, self.synced = plan.step + 1, q.gen, True
+        self.batches += 0 if plan.cont else 1
         self._made = (q.round, q.epoch)
         if plan.role != "train":  # a catch-up's state is the contributors' (a disowned one never trains)
             self._disowned = False

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.checkpoint import CheckpointWriter, publish, unpublish_missing
+from lightning_ft.replica.optimizers import unwrap
 from lightning_ft.strategy.runlog import replica_dir
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ class ReplicaCheckpoints:
             return
         if rank == 0:
             for slot in range(mgr.R):
-                if slot in q.contributors:
-                    cursors[slot] = q.cursor_of(slot) + 1
+                if slot in q.contributors:  # a round continuing a batch advanced none (rule 15)
+                    cursors[slot] = q.cursor_of(slot) + (0 if q.cont else 1)
                 else:
                     cursors[slot] = ledger.read_cursor(mgr.store, mgr.root, slot, mgr.gen)
-        meta = {"step": mgr.step, "job": mgr.job, "replicas": mgr.R, "writer": mgr.rid, "gen": mgr.gen,
+        meta = {"step": mgr.step, "batches": mgr.batches, "job": mgr.job, "replicas": mgr.R, "writer": mgr.rid, "gen": mgr.gen,
                 "cursors": {str(k): v for k, v in cursors.items()},
                 "quorum": {"round": q.round, "epoch": q.epoch, "members": list(q.members),
                            "contributors": list(q.contributors)}}
@@ -60,7 +61,7 @@ class ReplicaCheckpoints:
                  "scaler": mgr.scaler.state_dict() if mgr.scaler is not None else None,
                  "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         self.writer.protect = q.verified_step
-        stats = self.writer.save(mgr.step, model, optimizer, extra, meta)
+        stats = self.writer.save(mgr.step, model, unwrap(optimizer), extra, meta)
         self.stage_ms = stats.stage_s * 1e3
 
     def _done(self, step: int, path: str, stats: Any) -> None:

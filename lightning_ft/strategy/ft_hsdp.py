@@ -111,6 +111,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.mgr: Any = None
         self.sampler: Optional[FTBatchSampler] = None
         self._window: list[tuple[tuple[int, int], Any, int]] = []
+        self._batch: Optional[list] = None
+        """Several optimizers: [the batch's window, still ours to step]."""
         self._position: Optional[tuple[int, int]] = None
         self._schedulers: Optional[CommittedSchedulers] = None
         self._ft_devices: Optional[list[torch.device]] = None
@@ -330,8 +332,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         from lightning_ft.config import checkpoint_dir
         from lightning_ft.replica.manager import ReplicaManager
 
-        if len(self.optimizers) != 1:
-            raise FTHSDPError(f"ft_hsdp exchanges the gradients of one optimizer; configure_optimizers returned "
+        if len(self.optimizers) != 1 and (self.lightning_module.automatic_optimization or not self.optimizers):
+            raise FTHSDPError(f"ft_hsdp steps one optimizer per batch under automatic optimization (several need "
+                              f"manual optimization, as under DDP); configure_optimizers returned "
                               f"{len(self.optimizers)}")
         cfg = self.cfg
         if cfg.batch_policy == "constant" and not self.lightning_module.automatic_optimization:
@@ -345,11 +348,16 @@ class FTHSDPStrategy(ModelParallelStrategy):
         # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
         # collectives run on the default group.
         pg = dist.new_group(backend="gloo") if world > 1 else None
-        self.mgr = ReplicaManager.from_config(
-            self.lightning_module, self.optimizers[0], cfg, job=self._renv.job, rid=self.rid,
-            incarnation=self.incarnation, num_replicas=self.num_replicas, secret=self._secret,
-            etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
-            run_dir=self._renv.run_dir, run_id=self._renv.run_id)
+        from lightning_ft.replica.optimizers import OptimizerError
+
+        try:  # several (manual optimization): every optimizer.step() is a round (quorum rule 15)
+            self.mgr = ReplicaManager.from_config(
+                self.lightning_module, list(self.optimizers), cfg, job=self._renv.job, rid=self.rid,
+                incarnation=self.incarnation, num_replicas=self.num_replicas, secret=self._secret,
+                etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
+                run_dir=self._renv.run_dir, run_id=self._renv.run_id)
+        except OptimizerError as e:
+            raise FTHSDPError(f"ft_hsdp: {e}") from None
         self.mgr.on_commit = self._on_commit
         self.mgr.set_scaler(getattr(self.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
         self.mgr.clip_catchup = self._clip_catchup
@@ -376,7 +384,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _on_commit(self, plan: Any) -> None:
         self.committed_in_call += 1
         if self._schedulers is not None:
-            self._schedulers.committed(self.mgr.step)
+            mgr = self.mgr
+            if mgr.multi:  # a step scheduler follows its own optimizer; epochs count batches
+                self._schedulers.committed(mgr.batches, optimizer=mgr.stepped_optimizer(plan), new_batch=not plan.cont)
+            else:
+                self._schedulers.committed(mgr.step)
         if hasattr(self.sampler, "committed"):  # a stream loader records its state at the new cursor
             self.sampler.committed(self.mgr.step, self.mgr.cursor)
 
@@ -503,7 +515,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                               "loader must be the one the strategy installs (no custom data fetching)")
         self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
         self._position = tuple(self._window[-1][0][:2])
-        if self.overlap and self._pending is None and len(self._window) == self._micro_batches():
+        if (self.overlap and self._pending is None and len(self._window) == self._micro_batches()
+                and not self.mgr.multi):  # several optimizers: which one steps first is known at its step
             # This batch's backward completes the step: run the quorum meanwhile and let the
             # gradient hooks start the exchange.
             self._pending = self.mgr.begin_step()
@@ -535,7 +548,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if self.mgr is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         auto = self.lightning_module.automatic_optimization
-        window, self._window = self._window, []
+        cont, index = False, 0
+        if self.mgr.multi:
+            index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+            window, cont = self._batch_window()
+            if window is None:  # the rest of a batch the job trained without us: nothing to step
+                self._set_lightning_step(self.mgr.step - 1)
+                return None
+        else:
+            window, self._window = self._window, []
         if not window:
             raise FTHSDPError("optimizer_step without a training batch: ft_hsdp supports one optimizer step per "
                               "batch (or per accumulation window)")
@@ -556,10 +577,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self.precision_plugin._after_closure(self.lightning_module, optimizer)
 
         self._extra_losses = []
-        res = self.mgr.run_step(lambda plan: closure(), batch=k, pending=pending, computed=computed, loss=loss,
+        res = self.mgr.run_step(lambda plan: closure(), batch=None if cont else k, pending=pending, computed=computed,
+                                loss=loss,
                                 recompute=(lambda plan: self._recompute(window, closure, optimizer)) if auto else None,
                                 after_exchange=after_exchange,
-                                extra=(lambda plan: self._train_extra(plan, optimizer, window[-1][2])) if auto else None)
+                                extra=(lambda plan: self._train_extra(plan, optimizer, window[-1][2])) if auto else None,
+                                phase=(index, cont) if self.mgr.multi else None)
+        if self.mgr.multi and not res.trained:
+            self._batch[1] = False  # others trained this batch, or its rest: skip its remaining steps
         self._phase["step_ms"] = (time.perf_counter() - t1) * 1e3
         if res.trained and self._extra_losses and res.loss is not None:  # the mean over the slots we trained
             res.loss = (float(res.loss) + sum(self._extra_losses)) / (1 + len(self._extra_losses))
@@ -574,11 +599,23 @@ class FTHSDPStrategy(ModelParallelStrategy):
             optimizer.zero_grad(set_to_none=True)
         self._set_lightning_step(self.mgr.step - 1)  # Lightning adds the one it thinks it made
         if self._ckpt is not None:
-            self._ckpt.maybe_save(self.lightning_module, self.optimizers[0], self._schedulers,
+            self._ckpt.maybe_save(self.lightning_module, self.mgr.optimizer, self._schedulers,
                                   self.committed_in_call, self.global_rank)
             self._phase["ckpt_stage_ms"] = self._ckpt.stage_ms
         self._log_step(res.loss, res.caught_up or res.synced, time.perf_counter() - t0)
         return None
+
+    def _batch_window(self) -> tuple[Optional[list], bool]:
+        """Several optimizers: (the batch's window, whether this step continues the batch); the
+        window is None once the job trained the batch (or its rest) without us."""
+        if self._window:  # the batch's first optimizer step
+            self._batch = [self._window, True]
+            self._window = []
+            return self._batch[0], False
+        if self._batch is None:
+            return [], False
+        window, live = self._batch
+        return (window, True) if live else (None, True)
 
     def _log_step(self, loss: Any, caught_up: bool, seconds: float) -> None:
         if self.global_rank == 0 and self._steplog is not None:
@@ -590,7 +627,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         but run none of the on_before_optimizer_step hooks: a late replica runs no user hook."""
         module = self.lightning_module
         trainer = module.trainer
-        self.precision_plugin._clip_gradients(module, self.optimizers[0], trainer.gradient_clip_val,
+        self.precision_plugin._clip_gradients(module, self.mgr.stepped_optimizer(), trainer.gradient_clip_val,
                                               gradient_clip_algorithm=trainer.gradient_clip_algorithm)
 
     def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> Any:
@@ -639,7 +676,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         spe = self.sampler.steps_per_epoch() if self.sampler is not None else 0
         if not spe:
             return
-        done = self.mgr.step  # committed steps
+        done = self.mgr.batches if self.mgr.multi else self.mgr.step  # committed batches
         micro = self._micro_batches()
         pos = done % spe if done % spe or done == 0 else spe  # position within the job's epoch
         lag = 1 if in_batch else 0  # inside a batch, Lightning increments processed/completed after us
@@ -735,7 +772,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().on_train_end()
         if self.mgr is not None and not self._job_done:
             self.mgr.mark_finished()
-            write_final(self.mgr, self.lightning_module, self.optimizers[0], self.global_rank, self.recomputes)
+            write_final(self.mgr, self.lightning_module, self.mgr.optimizer, self.global_rank, self.recomputes)
 
     def _close(self) -> None:
         if hasattr(self.sampler, "close"):

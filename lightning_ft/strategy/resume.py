@@ -52,9 +52,9 @@ def job_cursors(mgr: Any) -> dict[int, int]:
     others' from the ledger, flushed first)."""
     q = mgr.last_plan.quorum
     mgr.flush_ledger()
-    return {slot: q.cursor_of(slot) + 1 if slot in q.contributors else ledger.read_cursor(mgr.store, mgr.root, slot,
-                                                                                          mgr.gen)
-            for slot in range(mgr.R)}
+    done = 0 if q.cont else 1  # a round continuing a batch advanced no cursor (quorum rule 15)
+    return {slot: q.cursor_of(slot) + done if slot in q.contributors
+            else ledger.read_cursor(mgr.store, mgr.root, slot, mgr.gen) for slot in range(mgr.R)}
 
 
 def describe(mgr: Any) -> dict:
@@ -139,7 +139,7 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
     if decision != "ok":
         raise ResumeError(f"replica {mgr.rid}: this job already started from another checkpoint position "
                           f"({decision}); every replica must resume from the same ckpt_path")
-    mgr.step = point.step
+    mgr.step = mgr.batches = point.step  # batches: right for one optimizer (several: docs, known limits)
     mgr.cursor = point.cursors.get(mgr.rid, point.step)
     if mgr.is_leader:
         print(f"lightning-ft: replica {mgr.rid} resumes at step {point.step} ({point.source} checkpoint; slot "

@@ -16,6 +16,11 @@ These schedulers step instead when the job's committed step count crosses a mult
 `steps_per_epoch` (one pass of the slot streams), on every replica at the same step;
 Lightning's own epoch-end calls are ignored. ReduceLROnPlateau is left to Lightning.
 
+Several optimizers (manual optimization, docs/ARCHITECTURE.md "Manual optimization with several
+optimizers"): every optimizer step is a commit; a step scheduler steps in the commits of its own
+optimizer only, and epoch schedulers count batches (the commits that start one), not steps. A
+schedule the program steps by hand (`self.lr_schedulers()`) follows its configured interval.
+
 The state travels with catch-ups and checkpoints (`state_dict` / `load_state_dict`): it is
 always the state after the holder's last commit."""
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import Any, Callable, Sequence
 class CommittedSchedulers:
     def __init__(self, configs: Sequence[Any]) -> None:
         self.configs = list(configs)
-        self._stepwise: list[Callable] = []
+        self._stepwise: list[tuple[Any, Callable]] = []
+        """(the scheduler's optimizer, its own `step`)."""
         self._epochly: list[Callable] = []
         self.steps_per_epoch = 0
         """Set by the strategy from its exactly-once sampler (0: epoch schedulers never step)."""
@@ -34,7 +40,11 @@ class CommittedSchedulers:
             sch = c.scheduler
             if c.reduce_on_plateau:
                 continue
-            (self._stepwise if c.interval == "step" else self._epochly).append(type(sch).step.__get__(sch))
+            orig = type(sch).step.__get__(sch)
+            if c.interval == "step":
+                self._stepwise.append((getattr(sch, "optimizer", None), orig))
+            else:
+                self._epochly.append(orig)
             sch.__class__ = self._synced_class(type(sch))
 
     @staticmethod
@@ -47,11 +57,15 @@ class CommittedSchedulers:
 
         return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
 
-    def committed(self, step: int = 0) -> None:
-        """A step committed (the optimizer stepped); `step` is the committed count after it."""
-        for orig in self._stepwise:
-            orig()
-        if self._epochly and self.steps_per_epoch and step and step % self.steps_per_epoch == 0:
+    def committed(self, step: int = 0, optimizer: Any = None, new_batch: bool = True) -> None:
+        """A step committed (the optimizer stepped); `step` is the committed count after it (the
+        committed batches, with several optimizers). `optimizer`: the one that stepped (None:
+        the only one); `new_batch`: the step started a batch (False: it continued one)."""
+        for opt, orig in self._stepwise:
+            if optimizer is None or opt is None or opt is optimizer:
+                orig()
+        if (new_batch and self._epochly and self.steps_per_epoch and step
+                and step % self.steps_per_epoch == 0):
             for orig in self._epochly:
                 orig()
 

@@ -99,3 +99,36 @@ def test_early_stopping_stops_every_replica_at_the_same_step(tmp_path, etcd_endp
     # the first validation (10 batches = 5 steps) asks to stop; the job stops after the next round, everywhere
     assert {f["step"] for f in run.finals.values()} == {6}, run.finals
     assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1
+
+
+GAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gan_app.py")
+AMP16 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "amp16_app.py")
+
+
+def test_gan_with_manual_optimization_unseeded_survives_a_random_kill(tmp_path, etcd_endpoint):
+    """Two optimizers under manual optimization (issue 24 part 2): the kill lands anywhere, also
+    between the discriminator's and the generator's steps of one batch. global_step counts
+    optimizer steps (two per batch), as under DDP; the ledger records each batch once."""
+    steps = 80  # 40 batches
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, GAN, str(steps), replicas=3, steps=steps, seed=4,
+                                  kill=True)
+    assert_consistent(run, steps, 3, faults)
+    trained = sum(len(ks) for ks in run.ledger.trained.values())
+    assert trained <= 3 * steps // 2, (run.ledger.trained, faults)  # a batch per two optimizer steps, at most
+
+
+def test_amp16_program_unseeded_survives_a_random_kill_and_a_stop(tmp_path, etcd_endpoint):
+    """fp16 autocast with a real GradScaler (16-mixed on CPU): the scale, its growth tracker and
+    the skipped steps are the same on every replica, the restarted one included."""
+    steps = 60
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, AMP16, str(steps), replicas=3, steps=steps, seed=5,
+                                  kill=True, stop_s=3.5)
+    assert_consistent(run, steps, 3, faults)
+    scalers = {json_key(f["scaler"]) for f in run.finals.values()}
+    assert len(scalers) == 1 and None not in scalers, (run.finals, faults)  # one loss scale everywhere
+
+
+def json_key(state):
+    import json
+
+    return None if state is None else json.dumps(state, sort_keys=True, default=float)

@@ -7,6 +7,10 @@ one JSON line per training batch end: {"event": "batch", "step": global_step, "l
     --ddp N       : Lightning's own DDP with N processes (the reference), same data order
     --accumulate N: accumulate_grad_batches
     --manual      : manual optimization
+    --gan         : a GAN under manual optimization (two optimizers, toggle_optimizer, manual_backward; with
+                    --steplr a StepLR per optimizer stepped by hand): every batch is two optimizer steps
+    --kill-between R:S: (--gan) replica R's first incarnation SIGKILLs itself between the discriminator's and the
+                    generator's steps of the first batch at or after committed step S
     --steplr      : a StepLR(step_size=3, gamma=0.5) stepped every step
     --decay       : a LambdaLR whose rate changes at every step (1 / (1 + step / 20))
     --unseeded    : no seed: replicas start from different weights (the strategy must sync them)
@@ -69,12 +73,7 @@ class MLP(L.LightningModule):
         who = self.global_rank if self.a.ddp else int(os.environ.get("LFT_REPLICA_ID", "-1"))
         if self.trainer.global_step in self.a.overflow_at and who == self.a.overflow_replica:
             loss = loss * 1e38  # finite in fp32; times the loss scale it is inf
-        if self.a.step_sleep:
-            time.sleep(self.a.step_sleep)
-        mgr = getattr(self.trainer.strategy, "mgr", None)
-        if self.a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
-                and len(mgr.last_plan.quorum.contributors) < mgr.R:
-            time.sleep(self.a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
+        self.pace()
         if not self.automatic_optimization:
             opt = self.optimizers()
             opt.zero_grad()
@@ -84,6 +83,14 @@ class MLP(L.LightningModule):
             if sch is not None:
                 sch.step()
         return loss
+
+    def pace(self) -> None:
+        if self.a.step_sleep:
+            time.sleep(self.a.step_sleep)
+        mgr = getattr(self.trainer.strategy, "mgr", None)
+        if self.a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
+                and len(mgr.last_plan.quorum.contributors) < mgr.R:
+            time.sleep(self.a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if (self.a.stop_at >= 0 and self.trainer.global_step >= self.a.stop_at
@@ -157,6 +164,77 @@ class MLP(L.LightningModule):
         return self._data
 
 
+class GAN(MLP):
+    """Lightning's manual-optimization GAN pattern on the Teacher data: D tells real (x, y) pairs
+    from (x, G(x)); two optimizers stepped once each per batch (global_step += 2)."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        L.LightningModule.__init__(self)
+        self.a = a
+        if not a.unseeded:
+            torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))  # the generator
+        self.disc = nn.Sequential(nn.Linear(17, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_d, opt_g = self.optimizers()
+        self.pace()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        # discriminator
+        if not self.a.no_toggle:
+            self.toggle_optimizer(opt_d)
+        fake = self.net(x).detach()
+        real_logit, fake_logit = self.disc(torch.cat([x, y], 1)), self.disc(torch.cat([x, fake], 1))
+        d_loss = bce(real_logit, torch.ones_like(real_logit)) + bce(fake_logit, torch.zeros_like(fake_logit))
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        if self.a.clip:
+            self.clip_gradients(opt_d, gradient_clip_val=self.a.clip, gradient_clip_algorithm="norm")
+        opt_d.step()
+        if not self.a.no_toggle:
+            self.untoggle_optimizer(opt_d)
+        if self.a.kill_between:
+            rid, at = (int(v) for v in self.a.kill_between.split(":"))
+            mgr = self.trainer.strategy.mgr
+            if (int(os.environ.get("LFT_REPLICA_ID", "-1")) == rid and int(os.environ.get("LFT_INCARNATION", "0")) == 0
+                    and mgr.step >= at):
+                print(json.dumps({"event": "kill_between", "step": mgr.step, "opt_d_steps": mgr.step}), flush=True)
+                os.kill(os.getpid(), 9)
+        # generator
+        if not self.a.no_toggle:
+            self.toggle_optimizer(opt_g)
+        gen = self.net(x)
+        g_logit = self.disc(torch.cat([x, gen], 1))
+        g_loss = bce(g_logit, torch.ones_like(g_logit)) + nn.functional.mse_loss(gen, y)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        if not self.a.no_toggle:
+            self.untoggle_optimizer(opt_g)
+        if self.a.steplr:
+            for sch in self.lr_schedulers():
+                sch.step()
+        return g_loss.detach()
+
+    def configure_optimizers(self):
+        opt_d = torch.optim.AdamW(self.disc.parameters(), lr=self.a.lr)
+        opt_g = torch.optim.AdamW(self.net.parameters(), lr=self.a.lr * 2)
+        if self.a.steplr:
+            return [opt_d, opt_g], [
+                {"scheduler": torch.optim.lr_scheduler.StepLR(opt_d, step_size=3, gamma=0.5), "interval": "step"},
+                {"scheduler": torch.optim.lr_scheduler.StepLR(opt_g, step_size=2, gamma=0.7), "interval": "step"}]
+        return [opt_d, opt_g]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.global_rank == 0:
+            print(json.dumps({"event": "gan", "step": self.trainer.global_step,
+                              "lrs": [o.param_groups[0]["lr"] for o in self.trainer.optimizers],
+                              "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}), flush=True)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -164,6 +242,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--manual", action="store_true")
+    p.add_argument("--gan", action="store_true")
+    p.add_argument("--kill-between", default="")
+    p.add_argument("--no-toggle", action="store_true", help="(--gan) without toggle_optimizer/untoggle_optimizer")
     p.add_argument("--steplr", action="store_true")
     p.add_argument("--decay", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -210,12 +291,12 @@ def main(argv: list[str]) -> int:
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(
             "cpu", init_scale=a.amp16, growth_interval=a.growth_interval)))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=a.steps, plugins=plugins,
-                        accumulate_grad_batches=1 if a.manual else a.accumulate, callbacks=callbacks,
-                        gradient_clip_val=a.clip,
+                        accumulate_grad_batches=1 if a.manual or a.gan else a.accumulate, callbacks=callbacks,
+                        gradient_clip_val=None if a.gan else a.clip,
                         logger=False, enable_checkpointing=bool(a.save_every), enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=os.environ.get("LFT_RUN_DIR", "."),
                         use_distributed_sampler=not a.ddp)
-    trainer.fit(MLP(a), ckpt_path=a.ckpt_path)
+    trainer.fit(GAN(a) if a.gan else MLP(a), ckpt_path=a.ckpt_path)
     return 0
 
 
