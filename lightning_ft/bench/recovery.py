@@ -65,11 +65,13 @@ def run(a: argparse.Namespace) -> dict:
             job.wait_exit(1)
             job.evict(1, "SIGKILL (bench)")
             n_kill = len(r0.steps())
+            time.sleep(max(0.0, t_kill + a.restart_delay - time.time()))  # the supervisor's restart_delay_s
+            job.start(1, inc=1)
             gone = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_kill and 1 not in x["members"],
                                a.timeout)
-            time.sleep(a.restart_delay)
-            job.start(1, inc=1)
+            first1 = job.replicas[1].wait_for(lambda x: x.get("event") == "step", a.timeout)
             lag1 = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["lag"], a.timeout)
+            breakdown = job.replicas[1].wait_for(lambda x: x.get("event") == "restart_breakdown", a.timeout)
             rejoin_row = r0.wait_for(lambda x: x.get("event") == "step" and 1 in x.get("lagging", []), a.timeout)
             r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > lag1["t"] + 2 * step_s + 1, a.timeout)
 
@@ -91,6 +93,9 @@ def run(a: argparse.Namespace) -> dict:
                 "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4),
                 "rejoin_stall_s": round(max(0.0, rejoin_row["dt"] - step_s), 4),
                 "rejoin_step_s": round(rejoin_row["dt"], 4),
+                "heal_cold_s": round(first1["t"] - t_kill, 3),
+                "restart_delay_s": a.restart_delay,
+                "restart_breakdown": {"total_s": breakdown["total_s"], **breakdown["parts"]},
                 "catchup_gbps": round(lag1["catchup_gbps"], 3),
                 "catchup_s": round(lag1["catchup_ms"] / 1e3, 4),
                 "hang_excluded_after_s": round(out["t"] - t_hang, 3),
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=float, default=2.0, help="lease TTL (s)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--restart-delay", type=float, default=1.0)
+    p.add_argument("--restart-delay", type=float, default=0.2,
+                   help="seconds from the kill to the restart (failure.restart_delay_s's default)")
     p.add_argument("--timeout", type=float, default=180.0)
     a = p.parse_args(argv)
     print(json.dumps(run(a)), flush=True)
