@@ -3,10 +3,14 @@
     python -m lightning_ft.bench.recovery [--quick] [--ttl 2]
 
 One run, one job: steady state, then a SIGKILL of replica 1 (the supervisor's eviction is
-written as soon as the process is reaped), its restart and rejoin, then a SIGSTOP of replica
+written as soon as the process is reaped), its restart `--restart-delay` after the kill (the
+supervisor's failure.restart_delay_s) and rejoin, then a SIGSTOP of replica
 2 (no eviction: only its lease can expire), SIGCONT and its rejoin. Printed as one JSON line:
     {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s",
+     "heal_cold_s", "restart_breakdown": {"total_s", "python", "torch", ...},
      "catchup_gbps", "catchup_s", "state_mb", ...}
+heal_cold_s runs from the SIGKILL to the first step row (catch-up or train) of the new
+incarnation; restart_breakdown is that incarnation's start-up in parts (replica/startup.py).
 A stall (`_stall`) is the longest gap between committed steps of healthy replica 0 that
 overlaps the event's window, minus the median step time, and never negative: 0 when no gap
 in the window is longer than a median step. The kill's window runs from the SIGKILL to the
