@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+import lightning_ft  # noqa: F401  (before torch: the restart breakdown's "python" and "torch" parts)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -219,6 +220,9 @@ def main(argv: list[str]) -> int:
             out["digest"] = state_digest(model, opt)
         emit(**out)
         box["last_t"] = now
+        if mgr.restart_breakdown is not None and not box.get("breakdown"):  # a restart's first commit
+            box["breakdown"] = True
+            emit(event="restart_breakdown", rid=rid, inc=inc, **mgr.restart_breakdown)
 
     mgr.on_commit = lambda plan: row("step", plan)
     mgr.on_retry = lambda plan: row("retry", plan)

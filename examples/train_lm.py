@@ -22,12 +22,12 @@ import sys
 import sysconfig
 import zlib
 
+import lightning_ft  # noqa: F401  (registers strategy="ft_hsdp"; first: the restart breakdown times torch)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_ft  # noqa: F401  (registers strategy="ft_hsdp")
 import lightning.pytorch as L
 
 

@@ -42,6 +42,34 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _MarkTorch(importlib.abc.MetaPathFinder):
+    """Marks `torch` in the start-up breakdown (replica/startup.py) once `import torch` finishes."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_mark(module):
+            exec_module(module)
+            startup.mark("torch")
+
+        spec.loader.exec_module = exec_and_mark
+        return spec
+
+
+from lightning_ft.replica import startup  # noqa: E402  (os and time only)
+
+if "torch" in sys.modules:  # imported before us: python and torch are one part
+    startup.mark("torch")
+else:
+    startup.mark("python")
+    sys.meta_path.insert(0, _MarkTorch())
+
 if _HOOKED in sys.modules:
     _register()
 elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):

@@ -53,7 +53,7 @@ def test_defaults_match_the_design():
     assert (cfg.checkpoint.every_n_steps, cfg.checkpoint.dir, cfg.checkpoint.keep) == (100, "", 3)
     assert list(cfg.failure.events) == []
     assert (cfg.failure.mtbf_steps, list(cfg.failure.kinds)) == (0.0, ["kill"])
-    assert (cfg.failure.restart_delay_s, cfg.failure.seed) == (1.0, 0)
+    assert (cfg.failure.restart_delay_s, cfg.failure.seed) == (0.2, 0)
 
 
 def test_default_yaml_lists_every_key_with_the_dataclass_default():

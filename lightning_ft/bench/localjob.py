@@ -36,6 +36,7 @@ class Replica:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                    **job.env.get((rid, inc), {})}
             log = open(os.path.join(job.log_dir, f"r{rid}.i{inc}.rank{rank}.log"), "w")
+            env["LFT_SPAWN_T"] = repr(time.time())  # the restart breakdown's zero (replica/startup.py)
             p = subprocess.Popen([sys.executable, LOOP, *job.args, *job.extra.get((rid, inc), [])], env=env,
                                  stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
             self.procs.append(p)

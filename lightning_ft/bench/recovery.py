@@ -3,10 +3,14 @@
     python -m lightning_ft.bench.recovery [--quick] [--ttl 2]
 
 One run, one job: steady state, then a SIGKILL of replica 1 (the supervisor's eviction is
-written as soon as the process is reaped), its restart and rejoin, then a SIGSTOP of replica
+written as soon as the process is reaped), its restart `--restart-delay` after the kill (the
+supervisor's failure.restart_delay_s) and rejoin, then a SIGSTOP of replica
 2 (no eviction: only its lease can expire), SIGCONT and its rejoin. Printed as one JSON line:
     {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s",
+     "heal_cold_s", "restart_breakdown": {"total_s", "python", "torch", ...},
      "catchup_gbps", "catchup_s", "state_mb", ...}
+heal_cold_s runs from the SIGKILL to the first step row (catch-up or train) of the new
+incarnation; restart_breakdown is that incarnation's start-up in parts (replica/startup.py).
 A stall (`_stall`) is the longest gap between committed steps of healthy replica 0 that
 overlaps the event's window, minus the median step time, and never negative: 0 when no gap
 in the window is longer than a median step. The kill's window runs from the SIGKILL to the
@@ -65,11 +69,13 @@ def run(a: argparse.Namespace) -> dict:
             job.wait_exit(1)
             job.evict(1, "SIGKILL (bench)")
             n_kill = len(r0.steps())
+            time.sleep(max(0.0, t_kill + a.restart_delay - time.time()))  # the supervisor's restart_delay_s
+            job.start(1, inc=1)
             gone = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_kill and 1 not in x["members"],
                                a.timeout)
-            time.sleep(a.restart_delay)
-            job.start(1, inc=1)
+            first1 = job.replicas[1].wait_for(lambda x: x.get("event") == "step", a.timeout)
             lag1 = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["lag"], a.timeout)
+            breakdown = job.replicas[1].wait_for(lambda x: x.get("event") == "restart_breakdown", a.timeout)
             rejoin_row = r0.wait_for(lambda x: x.get("event") == "step" and 1 in x.get("lagging", []), a.timeout)
             r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > lag1["t"] + 2 * step_s + 1, a.timeout)
 
@@ -91,6 +97,9 @@ def run(a: argparse.Namespace) -> dict:
                 "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4),
                 "rejoin_stall_s": round(max(0.0, rejoin_row["dt"] - step_s), 4),
                 "rejoin_step_s": round(rejoin_row["dt"], 4),
+                "heal_cold_s": round(first1["t"] - t_kill, 3),
+                "restart_delay_s": a.restart_delay,
+                "restart_breakdown": {"total_s": breakdown["total_s"], **breakdown["parts"]},
                 "catchup_gbps": round(lag1["catchup_gbps"], 3),
                 "catchup_s": round(lag1["catchup_ms"] / 1e3, 4),
                 "hang_excluded_after_s": round(out["t"] - t_hang, 3),
@@ -106,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=float, default=2.0, help="lease TTL (s)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--restart-delay", type=float, default=1.0)
+    p.add_argument("--restart-delay", type=float, default=0.2,
+                   help="seconds from the kill to the restart (failure.restart_delay_s's default)")
     p.add_argument("--timeout", type=float, default=180.0)
     a = p.parse_args(argv)
     print(json.dumps(run(a)), flush=True)

@@ -121,7 +121,7 @@ class Supervisor:
     """Starts, watches and restarts the replicas `replica_ids` (default: all `replicas`) of one job."""
 
     def __init__(self, cmd: list[str], *, replicas: int, nproc_per_replica: int, job: str, etcd: str, secret: str,
-                 run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 1.0,
+                 run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 0.2,
                  max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
                  prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
@@ -536,7 +536,8 @@ class Supervisor:
                 "LFT_ETCD": self.etcd, "LFT_SECRET": self._secret, "LFT_INCARNATION": str(rep.incarnation),
                 "LFT_RUN_ID": self.run_id,
                 "LFT_RUN_DIR": self.run_dir, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc,
+                "LFT_SPAWN_T": repr(time.time())}  # the restart breakdown's zero (replica/startup.py)
 
     def _free_port(self) -> int:
         """A free loopback port not already handed to one of our running replicas."""

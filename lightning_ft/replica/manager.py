@@ -52,6 +52,7 @@ from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableE
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.batch_policy import POLICIES, round_batches
 from lightning_ft.replica.buckets import GradBuckets
+from lightning_ft.replica import startup
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
 from lightning_ft.replica.optimizers import Optimizers, unwrap
 from lightning_ft.replica.state import (combine, fast_digest, hyperparameters, materialize_optimizer_state,
@@ -270,6 +271,8 @@ class ReplicaManager:
         self.stats = StepStats()
         self.last_plan: Optional[StepPlan] = None
         self.on_commit: Optional[Callable[[StepPlan], None]] = None
+        self.restart_breakdown: Optional[dict] = None
+        """A restarted incarnation's start-up in parts (replica/startup.py), set at its first commit."""
         self.on_state_replaced: Optional[Callable[[StepPlan], None]] = None
         """Called after a sync or catch-up replaced this rank's state (not after training)."""
         self.request_stop = False
@@ -340,6 +343,7 @@ class ReplicaManager:
         """Open FTAR and the state server; the leader registers with etcd. Do slow init first."""
         from lightning_ft.network import advertised
 
+        startup.mark("setup")
         if self.incarnation > 0 or self.step > 0:
             # A restarted replica will almost surely catch up: build its optimizer state now,
             # in the slow init, not on the catch-up's critical path.
@@ -363,6 +367,7 @@ class ReplicaManager:
             o.zero_grad = b.zero  # keep .grad as views of the exchange buffer
         self.buckets = self._all_buckets[0]
         self.root, self.gen, self.cursor = self._leader_result(lambda: self._register(addrs))
+        startup.mark("registered")
 
     def _register(self, addrs: list) -> tuple[str, int, int]:
         """Leader: join (or start) the job's run, then register with the coordinator."""
@@ -927,6 +932,7 @@ class ReplicaManager:
             self.scaler.load_state_dict(meta["scaler"])
         self.batches = int(meta.get("batches", plan.step))
         self.stats.catchup_s = time.perf_counter() - t0
+        startup.mark("caught_up")
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
         self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
         log.info("replica %d rank %d %s step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid, self.rank,
@@ -1091,6 +1097,11 @@ class ReplicaManager:
             with self._ledger_lock:
                 self._unrecorded.append((plan.step, q.epoch, q.round, q.gen, dict(plan.batches)))
         self._take_digest()
+        if self.incarnation > 0 and self.restart_breakdown is None:
+            startup.mark("first_step")
+            self.restart_breakdown = startup.restart_breakdown()
+            if self.is_leader:
+                self.event("restart_breakdown", **self.restart_breakdown)
         if self.on_commit is not None:
             self.on_commit(plan)
         if plan.role == "catchup" and self.on_state_replaced is not None:

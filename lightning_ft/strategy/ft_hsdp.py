@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_ft.config import FTConfig
+from lightning_ft.replica import startup
 from lightning_ft.replica.data import SlotStream
 from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
@@ -215,6 +216,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        startup.mark("script")
         world = len(self.parallel_devices or [None])
         self._data_parallel_size, self._tensor_parallel_size = world, 1
         self.cfg = self.load_ft_config()
@@ -804,3 +806,4 @@ def register(registry: Any = None) -> None:
 
 
 register()
+startup.mark("lightning")  # with Lightning: this module imports it

@@ -44,6 +44,17 @@ def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
     assert [(e["event"], e["replica"]) for e in events if e["event"] in ("evict", "restart")] == [
         ("evict", 1), ("restart", 1)]
     assert "failure:" in (run_dir / "config.yaml").read_text()
+    # The restarted incarnation's start-up in parts, timed from the launcher's spawn (issue 25 §2).
+    # On a loaded machine the restart may start after the survivor finished: it then trains
+    # nothing and reports no breakdown.
+    bd = [e for e in events if e["event"] == "restart_breakdown"]
+    late = '"finished_already"' in (run_dir / "logs" / "r1.i1.rank0.log").read_text()
+    assert [(e["replica"], e["incarnation"]) for e in bd] == ([] if late else [(1, 1)])
+    for e in bd:
+        assert {"python", "torch", "registered", "first_step"} <= set(e["parts"])
+        assert all(v >= 0 for v in e["parts"].values())
+        restart = next(r for r in events if r["event"] == "restart")
+        assert abs(e["spawn_t"] - restart["t"]) < 2.0 and e["spawn_t"] + e["total_s"] <= e["t"] + 0.01
     finals = final_digests(run_dir)
     assert set(finals) == {0, 1} and finals[0] == finals[1]
 

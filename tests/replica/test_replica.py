@@ -118,6 +118,13 @@ def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_u
         assert outage and all(abs(x["lr_factor"] - math.sqrt(2 / 3)) < 1e-12 for x in outage)
     back = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["lag"], 5)
     assert back["catchup_ms"] > 0 and back["inc"] == 1
+    # The restarted incarnation's start-up in parts (issue 25 §2); the first one reports none.
+    bd = job.replicas[1].wait_for(lambda x: x.get("event") == "restart_breakdown", 5)
+    assert list(bd["parts"]) == ["python", "torch", "setup", "registered", "caught_up", "first_step"]
+    assert all(v >= 0 for v in bd["parts"].values())
+    assert sum(bd["parts"].values()) == pytest.approx(bd["total_s"], abs=1e-3)
+    assert t_kill < bd["spawn_t"] < bd["spawn_t"] + bd["total_s"] <= back["t"] + 0.01
+    assert not [x for r in job.history[:3] for x in r.rows if x.get("event") == "restart_breakdown"]
     assert_identical_every_step(job)
     assert_exactly_once(job)
 
