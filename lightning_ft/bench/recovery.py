@@ -21,6 +21,7 @@ without the stopped one. Default model: ~9.4M parameters with AdamW, a ~113 MB s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import statistics
@@ -35,7 +36,7 @@ from lightning_ft.coord.etcd_server import EtcdServer
 def _gap_around(rows: list[dict], t0: float, t1: float) -> float:
     """Longest gap between consecutive committed steps that overlaps [t0, t1]."""
     ts = [r["t"] for r in rows]
-    gaps = [b - a for a, b in zip(ts, ts[1:]) if b >= t0 and a <= t1]
+    gaps = [b - a for a, b in itertools.pairwise(ts) if b >= t0 and a <= t1]
     return max(gaps) if gaps else 0.0
 
 

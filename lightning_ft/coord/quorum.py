@@ -207,7 +207,7 @@ class Quorum:
         return self.members.index(rid)
 
     def member_set(self) -> frozenset[tuple[int, int]]:
-        return frozenset(zip(self.members, self.incarnations))
+        return frozenset(zip(self.members, self.incarnations, strict=True))
 
     @property
     def source(self) -> int:
@@ -337,7 +337,7 @@ def _survivors(reports: Mapping[int, Report], evicted, previous: Optional[Quorum
     """Rule 2: members of the previous quorum still alive (key present, same incarnation, not
     evicted, refused or quarantined)."""
     survivors: list[int] = []
-    for rid, inc in zip(previous.members, previous.incarnations) if previous is not None else ():
+    for rid, inc in zip(previous.members, previous.incarnations, strict=True) if previous is not None else ():
         rep = reports.get(rid)
         if rep is None or rep.incarnation != inc or (rid, inc) in evicted or rid in refused:
             continue  # gone: expired, evicted, or replaced by a new incarnation
@@ -407,7 +407,7 @@ def compute_quorum(
 
     members = tuple(sorted(valid))
     incs = tuple(valid[r].incarnation for r in members)
-    member_set = frozenset(zip(members, incs))
+    member_set = frozenset(zip(members, incs, strict=True))
     gen = previous.gen if previous is not None else history.gen
     verified = previous.verified_step if previous is not None else -1
 
@@ -510,7 +510,8 @@ def compute_quorum(
     if excluded:
         notes.append(f"excluded {_names(excluded)} after {STRIKES} failed ring rounds (partition)")
     if flagged:
-        notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)" for r, x in sorted(flagged.items()))
+        notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)"
+                                              for r, x in sorted(flagged.items()))
                      + (f"; r{slow_out[0]} sits out until round {slow_out[1]}" if slow_out is not None else ""))
     reason = (f"round {round} epoch {epoch}: {len(members)}/{job.replicas} replicas [{_names(members)}] ({change}); "
               f"max_step {max_step}")

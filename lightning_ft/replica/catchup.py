@@ -170,7 +170,7 @@ class _Fetch:
                 meta = check_meta(meta, self.param_groups)
             self._each(self._read)
             for s in self.streams:
-                self._guard(lambda: s.sock.sendall(ACK))
+                self._guard(lambda s=s: s.sock.sendall(ACK))
         finally:
             for s in self.streams:
                 if s.sock is not None:
@@ -363,7 +363,7 @@ def _read_header_bytes(resp: _Body, where: str) -> bytes:
 def _check_layout(head: dict, into: dict[str, torch.Tensor], where: str) -> None:
     """The server's tensor list must equal `into` (names, dtypes, shapes, in order)."""
     theirs, ours = head["tensors"], [spec_of(n, t) for n, t in into.items()]
-    for i, (a, b) in enumerate(zip(theirs, ours)):
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):  # the lengths: after the loop
         for key in ("name", "dtype", "shape"):
             if a[key] != b[key]:
                 raise CatchupError(f"{where} failed: tensor #{i} {b['name']!r}: server has {key} {a[key]} but "

@@ -103,7 +103,7 @@ class StateServer:
         tensors = {n: t.detach().to("cpu") if t.device.type != "cpu" else t for n, t in tensors.items()}
         specs = [spec_of(n, t) for n, t in tensors.items()]
         buffers = [memoryview(bytes_of(t).numpy()) if s["nbytes"] else memoryview(b"")
-                   for s, t in zip(specs, tensors.values())]
+                   for s, t in zip(specs, tensors.values(), strict=True)]
         # "publication" tells the parts of one fetch apart from those of a republished version
         body = json.dumps({"version": int(version), "publication": secrets.token_hex(8), "meta": meta,
                            "tensors": specs}).encode()

@@ -132,7 +132,7 @@ def check_meta(meta: object, param_groups: list[dict]) -> dict:
         raise CatchupError(f"the server's optimizer has {len(groups) if isinstance(groups, list) else '?'} param "
                            f"groups, ours {len(param_groups)}; both replicas must build the same optimizer")
     clean = []
-    for i, (theirs, ours) in enumerate(zip(groups, param_groups)):
+    for i, (theirs, ours) in enumerate(zip(groups, param_groups, strict=True)):
         if not isinstance(theirs, dict):
             raise CatchupError(f"param group {i} from the server is not a mapping")
         group = {}

@@ -362,7 +362,7 @@ class ReplicaManager:
         # One flat buffer per optimizer: a round exchanges the one it steps.
         opts = self.optimizer.optimizers if self.multi else [self.optimizer]
         self._all_buckets = [GradBuckets(opt_params(o), self._send_bucket, f"replica {self.rid}") for o in opts]
-        for o, b in zip(opts, self._all_buckets):
+        for o, b in zip(opts, self._all_buckets, strict=True):
             b.attach()
             o.zero_grad = b.zero  # keep .grad as views of the exchange buffer
         self.buckets = self._all_buckets[0]
@@ -549,7 +549,7 @@ class ReplicaManager:
         fetch = role in ("catchup", "adopt")
         if not ring and not fetch:
             return None
-        incs = dict(zip(q.members, q.incarnations))
+        incs = dict(zip(q.members, q.incarnations, strict=True))
 
         def of(rid: int) -> Optional[tuple]:
             if rid == self.rid:
@@ -799,15 +799,17 @@ class ReplicaManager:
                 self._t_ready = time.monotonic()
             if plan.extra and in_grads != plan.extra:
                 if extra is None:
-                    raise RuntimeError(f"replica {self.rid}: batch_policy 'constant' assigns it absent slots' batches "
-                                       f"{list(plan.extra)}, but its caller passes no run_step(extra=...) to train them")
+                    raise RuntimeError(f"replica {self.rid}: batch_policy 'constant' assigns it absent slots' "
+                                       f"batches {list(plan.extra)}, but its caller passes no run_step(extra=...) "
+                                       "to train them")
                 extra(plan)
                 in_grads = plan.extra
             # A retry recomputes when it can; only a caller that cannot (manual optimization)
             # pays for a saved copy of its local gradients.
             vote = self.exchange(plan, save_grads=recompute is None)
             if vote == OK and self.scaler is not None:
-                self.scaler.unscale(self.stepped_optimizer(plan))  # before clipping and the user's hooks, as Lightning does
+                # before clipping and the user's hooks, as Lightning does
+                self.scaler.unscale(self.stepped_optimizer(plan))
             if vote == OK and after_exchange is not None:
                 after_exchange()
             if self.commit(vote):
@@ -924,7 +926,8 @@ class ReplicaManager:
                     continue
                 log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
                 return LOST if e.partial else FAILED
-        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):  # verified, known keys only
+        # verified (catchup_wire.check_meta): as many groups as ours, known keys only
+        for g, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
             g.update(saved)
         if self.scheduler is not None and meta.get("scheduler") is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
@@ -1016,7 +1019,7 @@ class ReplicaManager:
         materialize_optimizer_state(self.optimizer)
         got = load(path, self.model, unwrap(self.optimizer), pg=None if self.world == 1 else self.pg)
         extra = got["extra"]
-        for g, saved in zip(self.optimizer.param_groups, extra["param_groups"]):
+        for g, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=True):
             g.update(saved)
         if self.scheduler is not None and extra.get("schedulers") is not None:
             self.scheduler.load_state_dict(extra["schedulers"])
@@ -1076,7 +1079,7 @@ class ReplicaManager:
             try:
                 opt.step()
             finally:
-                for g, lr in zip(opt.param_groups, saved):
+                for g, lr in zip(opt.param_groups, saved, strict=True):
                     g["lr"] = lr
         if self.scaler is not None:
             self.scaler.update(skip)

@@ -53,7 +53,8 @@ class ReplicaCheckpoints:
                     cursors[slot] = q.cursor_of(slot) + (0 if q.cont else 1)
                 else:
                     cursors[slot] = ledger.read_cursor(mgr.store, mgr.root, slot, mgr.gen)
-        meta = {"step": mgr.step, "batches": mgr.batches, "job": mgr.job, "replicas": mgr.R, "writer": mgr.rid, "gen": mgr.gen,
+        meta = {"step": mgr.step, "batches": mgr.batches, "job": mgr.job, "replicas": mgr.R, "writer": mgr.rid,
+                "gen": mgr.gen,
                 "cursors": {str(k): v for k, v in cursors.items()},
                 "quorum": {"round": q.round, "epoch": q.epoch, "members": list(q.members),
                            "contributors": list(q.contributors)}}

@@ -583,7 +583,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                 loss=loss,
                                 recompute=(lambda plan: self._recompute(window, closure, optimizer)) if auto else None,
                                 after_exchange=after_exchange,
-                                extra=(lambda plan: self._train_extra(plan, optimizer, window[-1][2])) if auto else None,
+                                extra=((lambda plan: self._train_extra(plan, optimizer, window[-1][2])) if auto
+                                       else None),
                                 phase=(index, cont) if self.mgr.multi else None)
         if self.mgr.multi and not res.trained:
             self._batch[1] = False  # others trained this batch, or its rest: skip its remaining steps

@@ -41,8 +41,9 @@ def test_param_groups_and_state_cover_every_optimizer_and_step_only_the_active_o
     d0 = [p.detach().clone() for p in model["d"].parameters()]
     opts.active = 1
     opts.step()
-    assert all(torch.equal(a, b) for a, b in zip(g0, model["g"].parameters()))  # the generator did not move
-    assert not any(torch.equal(a, b) for a, b in zip(d0, model["d"].parameters()))
+    # the generator did not move
+    assert all(torch.equal(a, b) for a, b in zip(g0, model["g"].parameters(), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(d0, model["d"].parameters(), strict=True))
     opts.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in model["d"].parameters())
     assert all(p.grad is not None for p in model["g"].parameters())

@@ -9,6 +9,7 @@ never unscaled, the scale never moved, and one overflow turned every replica's w
 same NaNs (digests still equal)."""
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def _rows(stdout: str) -> list[dict]:
 
 def _skipped(rows: list[dict]) -> list[int]:
     """Steps whose optimizer step was skipped: the parameters did not move."""
-    return [b["step"] for a, b in zip(rows, rows[1:]) if b["psum"] == a["psum"]]
+    return [b["step"] for a, b in itertools.pairwise(rows) if b["psum"] == a["psum"]]
 
 
 def test_an_overflow_on_one_replica_skips_the_step_on_every_replica_as_lightning_ddp_does(tmp_path, etcd_endpoint):

@@ -105,7 +105,8 @@ def test_a_replica_restarted_after_the_job_finished_runs_no_user_hook(tmp_path, 
     assert run.proc.returncode == 0, ok(run)
     job = os.path.basename(run.run_dir)
     env = {**os.environ, "LFT_JOB": job, "LFT_REPLICA_ID": "1", "LFT_NUM_REPLICAS": "2", "LFT_ETCD": etcd_endpoint,
-           "LFT_SECRET": secret, "LFT_INCARNATION": "5", "LFT_RUN_DIR": str(tmp_path / "late"), "MASTER_ADDR": "127.0.0.1",
+           "LFT_SECRET": secret, "LFT_INCARNATION": "5", "LFT_RUN_DIR": str(tmp_path / "late"),
+           "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29655", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     late = subprocess.run([sys.executable, SCRIPT, "--steps", "6"], env=env, capture_output=True, text=True,
                           timeout=120)

@@ -23,8 +23,8 @@ def reducer_of_replica_0(others: dict[int, list[float]]) -> CrossReplicaReducer:
                           last_plan=SimpleNamespace(quorum=q), broadcast=lambda x: x)
     red = CrossReplicaReducer(mgr, timeout_s=5.0)
     red.begin("val")
-    for seq, values in enumerate(zip(*others.values())):
-        for rid, v in zip(others, values):
+    for seq, values in enumerate(zip(*others.values(), strict=True)):
+        for rid, v in zip(others, values, strict=True):
             store.put(f"{red._prefix}{seq:05d}/{rid}", json.dumps([v]).encode())
     return red
 

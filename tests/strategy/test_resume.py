@@ -55,7 +55,8 @@ def test_an_ft_hsdp_checkpoint_resumes_exactly_fsdp2_w2_16_mixed(tmp_path, etcd_
     assert first.proc.returncode == 0, ok(first)
     ref = {rid: {r["step"]: r for r in first.replica_rows(rid)} for rid in (0, 1)}  # each trains its own slot
     assert (tmp_path / "ft" / "step=6.ckpt").is_dir()  # ModelParallelStrategy's distributed checkpoint
-    run = lft_run(tmp_path, etcd_endpoint, "--steps", "14", *common, "--ckpt-path", str(tmp_path / "ft" / "step=6.ckpt"),
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "14", *common,
+                  "--ckpt-path", str(tmp_path / "ft" / "step=6.ckpt"),
                   nproc=2)
     assert run.proc.returncode == 0, ok(run)
     for rid in (0, 1):

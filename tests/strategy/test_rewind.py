@@ -3,8 +3,6 @@ down at once the job rewinds to its newest checkpoint by itself, the superseded 
 are marked, and the final history is exactly once; a crash loop ends with its cause."""
 from __future__ import annotations
 
-import json
-import os
 
 from tests.strategy.runs import lft_run, ok
 

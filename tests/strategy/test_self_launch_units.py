@@ -39,7 +39,8 @@ def test_what_cannot_be_started_again_says_how_to_launch(tmp_path, argv, module,
 
 def test_run_command_passes_the_script_arguments_verbatim_and_the_overrides_to_lightning_ft():
     script = ["/w/train.py", "--steps", "5", "--", "lr=0.1", "replicas=9"]
-    cmd = run_command("/py", script, nproc=2, config="/w/job.yaml", overrides=["job=a", "failure.events=[{replica: 1}]"])
+    cmd = run_command("/py", script, nproc=2, config="/w/job.yaml",
+                      overrides=["job=a", "failure.events=[{replica: 1}]"])
     assert cmd == ["/py", "-m", CLI_MODULE, "run", "--nproc-per-replica", "2", "--config", "/w/job.yaml",
                    "/w/train.py", "ft.job=a", "ft.failure.events=[{replica: 1}]", "--",
                    "--steps", "5", "--", "lr=0.1", "replicas=9"]

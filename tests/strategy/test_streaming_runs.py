@@ -42,7 +42,8 @@ def litdata_dir(tmp_path_factory):
 def test_torchdata_stateful_loader_survives_a_random_kill_exactly_once_by_sample_id(tmp_path, etcd_endpoint):
     steps = 50
     run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "torchdata", str(steps), "--samples", str(N),
-                                  "--workers", "2", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=3, steps=steps, seed=5,
+                                  "--workers", "2", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=3,
+                                  steps=steps, seed=5,
                                   kill=True)
     assert "kill replica" in faults, faults
     assert [e for e in run.events if e["event"] == "restart"], run.events
@@ -55,7 +56,8 @@ def test_litdata_streaming_loader_survives_a_random_kill_exactly_once_by_sample_
                                                                                      litdata_dir):
     steps = 50
     run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "litdata", str(steps), "--data", litdata_dir,
-                                  "--workers", "1", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=3, steps=steps, seed=6,
+                                  "--workers", "1", "--step-sleep", "0.05", "--degraded-sleep", "1.5", replicas=3,
+                                  steps=steps, seed=6,
                                   kill=True)
     assert "kill replica" in faults, faults
     assert_exact(run, "litdata", steps, 3, faults, workers=1, data=litdata_dir)
