@@ -71,6 +71,10 @@ class Work:
     def exception(self) -> Optional[BaseException]:
         return self._error
 
+    def wait_done(self, timeout: float) -> bool:
+        """Block until done or `timeout`; whether it is done (raises nothing)."""
+        return self._done.wait(timeout)
+
     def wait(self, timeout: Optional[float] = None) -> list[torch.Tensor]:
         """Block until done; raises the Work's error. `timeout` bounds the wait itself."""
         if not self._done.wait(timeout):
