@@ -120,12 +120,21 @@ def diagnose(culprit: int, states: dict[int, str], stalls: dict[int, dict[str, A
     return Diagnosis(culprit, rank, state, tuple(links), stack, "; ".join(parts), dict(stacks))
 
 
+WAIT_FILES = ("threading.py", "queue.py", "selectors.py", "socket.py", "subprocess.py")
+"""Standard-library waits: `top_frame` names the first frame of ours below them."""
+
+
 def top_frame(stack: str) -> str:
-    """The innermost frame of the first thread (the main thread) of a py-spy dump
-    ("function (file:line)"), or ""."""
+    """Where the first thread (the main thread) of a py-spy dump is: its innermost frame outside
+    the standard library's waits ("function (file:line)"), or ""."""
     lines = [ln.strip() for ln in stack.splitlines()]
     for i, ln in enumerate(lines):
         if ln.startswith("Thread "):
-            nxt = lines[i + 1] if i + 1 < len(lines) else ""
-            return "" if nxt.startswith("Thread ") else nxt
+            frames = []
+            for nxt in lines[i + 1:]:
+                if not nxt or nxt.startswith("Thread "):
+                    break
+                frames.append(nxt)
+            ours = [f for f in frames if not any(f"{w}:" in f or f"/{w}" in f for w in WAIT_FILES)]
+            return (ours or frames or [""])[0]
     return ""

@@ -62,7 +62,7 @@ def test_diagnosis_names_replica_rank_link_direction_and_stack():
     assert d.reason == ("replica 2 rank 0 (pid 4242) is stopped (SIGSTOP); its lease lapsed; "
                         "r0 waits to receive 4096 bytes from r2 (link r2 -> r0, rx); "
                         "r1 is blocked sending 8192 bytes to r2 (link r1 -> r2, tx); "
-                        "its stack ends in wait (threading.py:327)")
+                        "its stack ends in exchange (lightning_ft/replica/manager.py:783)")
     ev = d.event()
     assert ev["links"][0] == {"from": 2, "to": 0, "direction": "rx", "outstanding": 4096, "seen_by": 0,
                               "waited_s": 1.2}
@@ -82,8 +82,9 @@ def test_links_not_touching_the_culprit_are_reported_as_such():
 
 
 @pytest.mark.parametrize("stack, frame", [
-    (STACK, "wait (threading.py:327)"),
+    (STACK, "exchange (lightning_ft/replica/manager.py:783)"),  # below the stdlib's waits
     ("Thread 1 (idle)\n    inner (<string>:3)\n", "inner (<string>:3)"),
+    ("Thread 1 (idle)\n    wait (threading.py:331)\n", "wait (threading.py:331)"),  # nothing of ours
     ("Error: Failed to get stack traces", ""),
     ("", ""),
 ])
