@@ -11,7 +11,7 @@ import pytest
 
 from lightning_ft.launch import stacks
 
-SCRIPT = "import time\ndef parked_here():\n    while True:\n        time.sleep(0.01)\nprint('up', flush=True)\nparked_here()\n"
+SCRIPT = "import time\ndef parked_here():\n    print('up', flush=True)\n    while True:\n        time.sleep(0.01)\nparked_here()\n"
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_a_stopped_process_has_state_T_and_its_stack_is_read_while_it_stays_stop
         time.sleep(0.01)
     assert stacks.process_state(child.pid) == "T"
     text = stacks.dump_stack(child.pid)
-    assert f"Process {child.pid}" in text and "parked_here (<string>:4)" in text, text
+    assert f"Process {child.pid}" in text and "parked_here (<string>:" in text, text
     assert stacks.process_state(child.pid) == "T"  # still stopped: the dump did not resume it
 
 
