@@ -59,9 +59,9 @@ EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a ha
 IDLE_WAKE_S = 1.0
 """run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
 HALT_GRACE_S = 10.0
+"""After a halt, replicas still running this long (they learn it at their next round) are stopped."""
 STALL_MAX_AGE_S = 15.0
 """A hang diagnosis uses the other replicas' stall reports (stall/{rid}) younger than this."""
-"""After a halt, replicas still running this long (they learn it at their next round) are stopped."""
 
 
 @dataclass
