@@ -7,7 +7,9 @@ it implicitly, and is cleaned up by PID (its process group, which holds its own 
 
 A replica fails when one of its processes exits non-zero or by a signal, or when it hangs:
 its leader's `members/{rid}` key (DESIGN §3) existed for the current incarnation and then
-vanished (lease expired) while the leader process still runs. Then the supervisor
+vanished (lease expired) while the leader process still runs. From the moment the key vanished it
+says where the replica hangs (`_diagnose_hang`: a `hang` event with the rank, the FTAR link and
+the stack; docs/ARCHITECTURE.md, "Hang diagnosis"). Then the supervisor
 
 1. SIGKILLs the rest of the replica,
 2. writes `{prefix}/{job}/evict/{rid}/{inc}` at once, so the other replicas drop it without
