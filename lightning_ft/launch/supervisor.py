@@ -628,7 +628,7 @@ class Supervisor:
                 rep.missing_since = now
                 if rep.diagnosis is None or not rep.diagnosis.is_alive():  # read its stacks while it still hangs
                     rep.diagnosis = threading.Thread(target=self._diagnose_hang, name=f"lft-hang-r{rep.rid}",
-                                                     args=(rep, rep.incarnation, list(rep.procs)), daemon=True)
+                                                     args=(rep, rep.incarnation, list(rep.procs), now), daemon=True)
                     rep.diagnosis.start()
             elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
                 if self._left_cleanly(rep):  # it revoked its lease on the way out: wait for the exit code
@@ -642,11 +642,14 @@ class Supervisor:
                 self._event(rep, "hang", reason=reason)
                 self._fail(rep, reason)
 
-    def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[subprocess.Popen]) -> None:
+    def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[subprocess.Popen],
+                       missing_since: float) -> None:
         """A `hang` event that says where replica `rep` hangs (coord/hang.py): its ranks' process
         states and Python stacks, read from outside while it still hangs (launch/stacks.py), and
         the other replicas' stall reports (which FTAR link waits on it). Runs on its own thread
-        from the moment its member key vanished; the kill waits for it (bounded)."""
+        from the moment its member key vanished; the kill waits for it (bounded). A stopped rank
+        is a hang at once; otherwise the event waits for `hang_grace_s`, and is dropped if the
+        replica exited meanwhile (a leader that revoked its lease on its way out)."""
         try:
             if self._left_cleanly(rep):
                 return
@@ -659,6 +662,10 @@ class Supervisor:
             d = diagnose(rep.rid, states, self._stall_reports(), stacks, pids=live, max_age_s=STALL_MAX_AGE_S,
                          why=f"members/{rep.rid} of incarnation {incarnation} vanished (lease expired) while "
                              f"its processes run")
+            if d.state not in ("T", "t", "D"):
+                time.sleep(max(0.0, missing_since + self.hang_grace_s - time.monotonic()))
+                if self._left_cleanly(rep) or process_state(live.get(0, -1)) in ("Z", "X", "?"):
+                    return  # the leader exited (as the supervisor's own rule: a hang is a leader that runs)
             log.warning("hang: %s", d.reason)
             self._event(rep, "hang", incarnation=incarnation, diagnosis=True, **d.event())
         except Exception as e:  # a diagnosis must never stop the supervision
