@@ -664,12 +664,21 @@ class Supervisor:
                              f"its processes run")
             if d.state not in ("T", "t", "D"):
                 time.sleep(max(0.0, missing_since + self.hang_grace_s - time.monotonic()))
-                if self._left_cleanly(rep) or process_state(live.get(0, -1)) in ("Z", "X", "?"):
-                    return  # the leader exited (as the supervisor's own rule: a hang is a leader that runs)
+                if (self._left_cleanly(rep) or process_state(live.get(0, -1)) in ("Z", "X", "?")
+                        or self._member_back(rep.rid, incarnation)):
+                    return  # the leader exited, or its key is back: no hang (the supervisor's own rule)
             log.warning("hang: %s", d.reason)
             self._event(rep, "hang", incarnation=incarnation, diagnosis=True, **d.event())
         except Exception as e:  # a diagnosis must never stop the supervision
             log.warning("replica %d: hang diagnosis failed: %s: %s", rep.rid, type(e).__name__, e)
+
+    def _member_back(self, rid: int, incarnation: int) -> bool:
+        """Whether members/{rid} exists again for `incarnation` (etcd's own view, from any thread)."""
+        try:
+            kv = self._store.get(keys.members(self._root, rid))
+            return kv is not None and json.loads(kv.value).get("incarnation") == incarnation
+        except Exception:
+            return False
 
     def _stall_reports(self) -> dict[int, dict[str, Any]]:
         """stall/{rid} of the run: each with `age_s` (seconds since its leader wrote it)."""
