@@ -47,6 +47,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kill-in-exchange-at", type=int, default=-1,
                    help="SIGKILL self a few ms into this step's exchange (incarnation 0)")
     p.add_argument("--hang-at", type=int, default=-1, help="SIGSTOP self before this step (incarnation 0)")
+    p.add_argument("--stop-in-exchange", default="", metavar="REPLICA@STEP",
+                   help="SIGSTOP that replica's leader a few ms into this step's exchange (incarnation 0; "
+                        "prints a 'stopping' line with the time first: hang diagnosis tests and bench.straggler)")
     p.add_argument("--fail-commit-at", type=int, default=-1,
                    help="vote 'failed' after exchanging this step (incarnation 0): a partial completion")
     p.add_argument("--clip", type=float, default=0.0,
@@ -191,7 +194,8 @@ def main(argv: list[str]) -> int:
                          lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4,
                          digest_every=a.digest_every,
                          run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
-                         advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers)
+                         advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers,
+                         hang_report_after_s=cfg.hang.report_after_s)
     mgr.start()
     schedule = parse_failures(a.failures, R)
     if renv.config:  # launched by `lightning-ft run`: failures come from the job config
@@ -253,6 +257,12 @@ def main(argv: list[str]) -> int:
             time.sleep(a.step_sleep)
         if inc == 0 and plan.step == a.kill_in_exchange_at:
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if inc == 0 and rank == 0 and a.stop_in_exchange == f"{rid}@{plan.step}":
+            def stop() -> None:
+                emit(event="stopping", rid=rid, inc=inc, step=plan.step, pid=os.getpid(), t=time.time())
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+            threading.Timer(0.002, stop).start()
 
     try:
         done = mgr.finished_step()

@@ -174,6 +174,18 @@ class StragglersConfig:
 
 
 @dataclass
+class HangConfig:
+    """Hang diagnosis (docs/ARCHITECTURE.md, "Hang diagnosis"; coord/hang.py)."""
+
+    report_after_s: float = 1.0
+    """A leader whose exchange has waited this long publishes its FTAR links' counters (which
+    neighbour it waits on, how many bytes, which direction: `stall/{rid}` in etcd), so that the
+    supervisor that finds a replica hung (its lease lapsed while it runs) names the link. The
+    supervisor then reads the hung ranks' Python stacks from outside (`py-spy dump`) and writes a
+    `hang` event. Keep it below etcd.lease_ttl_s."""
+
+
+@dataclass
 class SupervisorConfig:
     """What `lightning-ft run` does with failed replicas."""
 
@@ -299,6 +311,8 @@ class FTConfig:
     """The train data stream."""
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     """Slow replicas: detection and policy."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """Hang diagnosis: who is missing, which FTAR link, the stack."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,6 +460,7 @@ def validate(cfg: Any) -> None:
     if cfg.stragglers.threshold != 0:
         at_least("stragglers.threshold", cfg.stragglers.threshold, 1.0, strict=True)
     at_least("stragglers.window", cfg.stragglers.window, 1)
+    at_least("hang.report_after_s", cfg.hang.report_after_s, 0, strict=True)
     if not cfg.run_dir:
         bad("run_dir", cfg.run_dir, "must be a directory path")
     at_least("seed", cfg.seed, 0)

@@ -188,7 +188,20 @@ def summarize(data: RunData) -> dict:
         "stragglers": [{"replica": e.get("replica"), "step": e.get("step"), "ratio": e.get("ratio"),
                         "window": e.get("window"), "policy": e.get("policy"),
                         "until_round": e.get("until_round")} for e in data.events if e["event"] == "straggler"],
+        "hangs": [hang_row(e) for e in data.events if e["event"] == "hang" and e.get("diagnosis")],
     }
+
+
+def hang_row(e: dict) -> dict:
+    """A hang diagnosis event (coord/hang.py) as the report shows it."""
+    from lightning_ft.coord.hang import top_frame
+
+    links = "; ".join(f"r{k['from']} -> r{k['to']} ({k['direction']}, "
+                      f"{'tail' if k['outstanding'] < 0 else str(k['outstanding']) + ' B'}, seen by r{k['seen_by']})"
+                      for k in e.get("links") or [])
+    return {"replica": e.get("replica"), "incarnation": e.get("incarnation"), "rank": e.get("rank"),
+            "state": e.get("state"), "links": links or "-", "frame": top_frame(e.get("stack") or "") or "-",
+            "stack": e.get("stack") or "", "reason": e.get("reason") or ""}
 
 
 def segments(data: RunData, replicas: int) -> dict[int, list[tuple[float, float, str]]]:
@@ -301,6 +314,16 @@ def markdown(summary: dict) -> str:
                     ["replica", "at step", "ratio", "window", "policy", "until round"],
                     [[e["replica"], e["step"], e["ratio"], e["window"], e["policy"],
                       "-" if e["until_round"] is None else e["until_round"]] for e in summary.get("stragglers") or []])
+    hangs = summary.get("hangs") or []
+    lines += _table("Hangs", ["A replica whose lease lapsed while its processes ran: the rank to blame (its process "
+                              "state: T = stopped),", "the FTAR links that waited on it, and where its main thread was "
+                              "(coord/hang.py; the stacks below, read from outside with py-spy)."],
+                    ["replica", "incarnation", "rank", "state", "FTAR links waiting", "main thread in"],
+                    [[h["replica"], h["incarnation"], h["rank"], h["state"], h["links"], f"`{h['frame']}`"]
+                     for h in hangs])
+    for h in hangs:
+        lines += ["", f"Replica {h['replica']} incarnation {h['incarnation']} rank {h['rank']}: {h['reason']}", "",
+                  "```", h["stack"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 

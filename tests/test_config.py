@@ -75,7 +75,7 @@ def test_every_config_field_has_a_docstring_right_below_it():
                         and isinstance(nxt.value.value, str)):
                     undocumented.append(f"{cls.name}.{stmt.target.id}")
     assert sorted(c.name for c in classes) == ["CheckpointConfig", "ConsistencyConfig", "DataConfig", "EtcdConfig",
-                                               "FTARConfig", "FTConfig", "FailureConfig", "FailureEvent",
+                                               "FTARConfig", "FTConfig", "FailureConfig", "FailureEvent", "HangConfig",
                                                "NetworkConfig", "QuorumConfig", "StragglersConfig", "SupervisorConfig"]
     assert undocumented == []
 

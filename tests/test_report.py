@@ -188,3 +188,21 @@ def test_timeline_png_shows_the_states(tmp_path):
 def test_report_of_a_missing_run_says_so(tmp_path, capsys):
     assert report.main([str(tmp_path / "nope")]) == 2
     assert "no run directory" in capsys.readouterr().err
+
+
+def test_a_hang_diagnosis_is_reported_with_rank_link_and_stack(tmp_path):
+    rows = [(T0 + i * STEP, i, [0, 1, 2], 0) for i in range(1, 31)]
+    stack = 'Thread 77 (idle): "MainThread"\n    wait (threading.py:331)\n    exchange (manager.py:790)\n'
+    ev = {"t": T0 + 10, "event": "hang", "replica": 1, "incarnation": 0, "diagnosis": True, "rank": 0, "state": "T",
+          "links": [{"from": 1, "to": 2, "direction": "rx", "outstanding": 2180, "seen_by": 2, "waited_s": 1.1}],
+          "stack": stack, "stacks": {"0": stack}, "reason": "replica 1 rank 0 (pid 77) is stopped (SIGSTOP); ..."}
+    plain = {"t": T0 + 12, "event": "hang", "replica": 1, "incarnation": 0, "reason": "hung: members/1 vanished"}
+    write_steps(str(tmp_path), {0: rows, 2: rows}, events=[ev, plain])
+    s = report.summarize(report.load(str(tmp_path)))
+    assert [(h["replica"], h["rank"], h["state"], h["frame"]) for h in s["hangs"]] == [
+        (1, 0, "T", "exchange (manager.py:790)")]
+    md = report.markdown(s)
+    assert "## Hangs" in md and "| 1 | 0 | 0 | T | r1 -> r2 (rx, 2180 B, seen by r2) | `exchange (manager.py:790)` |" in md
+    assert "wait (threading.py:331)" in md and "is stopped (SIGSTOP)" in md
+    write_steps(str(tmp_path / "b"), {0: rows, 1: rows}, events=[])
+    assert "## Hangs\n\nnone" in report.markdown(report.summarize(report.load(str(tmp_path / "b"))))

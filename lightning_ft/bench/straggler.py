@@ -1,6 +1,7 @@
-"""A straggler among three replicas, under each policy (coord/stragglers.py, quorum rule 14).
+"""A straggler among three replicas, under each policy (coord/stragglers.py, quorum rule 14),
+and a hung one (coord/hang.py).
 
-    python -m lightning_ft.bench.straggler [--policies wait exclude] [--throttle-s 10]
+    python -m lightning_ft.bench.straggler [--policies wait exclude] [--throttle-s 10] [--no-hang]
 
 One job per policy: 3 replicas of examples/plain_loop.py (real processes, embedded etcd).
 After a steady stretch, replica 1 is throttled to about a third of its speed (SIGSTOP 0.2 s,
@@ -11,6 +12,15 @@ measured before and during the throttle (from the first step after the throttle 
     {"bench": "straggler", "policy": "exclude", "before_steps_s": ..., "during_steps_s": ...,
      "ratio": during / before, "detect_s": ..., "straggler_events": n, "rejoined_s": ...,
      "identical": true, "exactly_once": true, ...}
+
+Then the hang figure: 3 replicas of the plain loop under the real Supervisor; replica 1's leader
+SIGSTOPs itself a few ms into step 30's exchange (inside its FTAR all-reduce; `--stop-in-exchange`).
+The time from the stop to the supervisor's `hang` diagnosis event (target: <= TTL + 2 s), and
+whether it named the right replica, rank and state, a link to or from it in the right direction,
+and a stack of the stopped process:
+
+    {"bench": "hang", "ttl_s": 2.0, "detect_s": ..., "within_target": true, "culprit_ok": true,
+     "link_ok": true, "stack_ok": true, "links": [...], "reason": "..."}
 """
 from __future__ import annotations
 
@@ -24,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from lightning_ft.bench.localjob import Job
+from lightning_ft.bench.localjob import LOOP, Job
 from lightning_ft.coord.etcd_server import EtcdServer
 
 MODEL = ("--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "1", "--ftar-timeout", "5", "--init-timeout", "30",
@@ -117,9 +127,68 @@ def run_policy(etcd: str, policy: str, a: argparse.Namespace) -> dict:
             job.close()
 
 
+def _rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.startswith("{")]
+
+
+def stop_in_exchange(etcd: str, run_dir: str, ttl_s: float = 2.0, report_after_s: float = 0.5,
+                     timeout_s: float = 120.0, step: int = 30) -> dict:
+    """Run 3 replicas under the Supervisor, stop replica 1's leader inside step `step`'s exchange,
+    and wait for the hang diagnosis. Returns the figure (and `event`, `stopping`: the raw rows)."""
+    import uuid
+
+    from lightning_ft.launch.supervisor import Supervisor
+
+    cmd = [sys.executable, LOOP, "--dim", "16", "--hidden", "32", "--batch", "8", "--steps", "3000",
+           "--step-sleep", "0.02", "--ttl", str(ttl_s), "--ftar-timeout", "5", "--init-timeout", "30",
+           "--stop-in-exchange", f"1@{step}", "--set", f"hang.report_after_s={report_after_s}"]
+    sup = Supervisor(cmd, replicas=3, nproc_per_replica=1, job="hang" + uuid.uuid4().hex[:8], etcd=etcd,
+                     secret="hang-bench-secret-0123456789", run_dir=run_dir, restart_delay_s=0.5, max_restarts=2)
+    events = os.path.join(run_dir, "events.jsonl")
+    log1 = os.path.join(run_dir, "logs", "r1.i0.rank0.log")
+
+    def diagnosed() -> list[dict]:
+        return [e for e in _rows(events) if e.get("event") == "hang" and e.get("diagnosis")]
+
+    stopping: list[dict] = []
+    try:
+        sup.start()
+        sup.run(until=lambda: bool(diagnosed()), timeout_s=timeout_s)
+        stopping = [r for r in _rows(log1) if r.get("event") == "stopping"]
+        ev = diagnosed()
+    finally:
+        for r in stopping:
+            try:
+                os.kill(r["pid"], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        sup.shutdown()
+    out: dict = {"bench": "hang", "ttl_s": ttl_s, "report_after_s": report_after_s, "stopped": bool(stopping),
+                 "diagnosed": bool(ev), "loadavg": os.getloadavg()[0], "event": ev[0] if ev else None,
+                 "stopping": stopping[0] if stopping else None}
+    if not (ev and stopping):
+        return out
+    d, st = ev[0], stopping[0]
+    mine = [k for k in d["links"] if 1 in (k["from"], k["to"])]
+    out.update(detect_s=round(d["t"] - st["t"], 3),
+               within_target=d["t"] - st["t"] <= ttl_s + 2.0,
+               culprit_ok=(d["replica"], d["rank"], d["incarnation"], d["state"]) == (1, 0, 0, "T"),
+               link_ok=bool(mine) and all(
+                   (k["direction"] == "rx" and k["from"] == 1 and k["to"] == k["seen_by"])
+                   or (k["direction"] == "tx" and k["to"] == 1 and k["from"] == k["seen_by"]) for k in mine),
+               stack_ok=f"Process {st['pid']}" in d["stack"] and "plain_loop.py" in d["stack"],
+               links=d["links"], reason=d["reason"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning_ft.bench.straggler", description=__doc__.split("\n")[0])
-    p.add_argument("--policies", nargs="+", default=["wait", "exclude"], choices=["wait", "exclude"])
+    p.add_argument("--policies", nargs="*", default=["wait", "exclude"], choices=["wait", "exclude"])
+    p.add_argument("--no-hang", action="store_true", help="skip the hang figure")
+    p.add_argument("--ttl", type=float, default=2.0, help="the hang figure's lease TTL (target: TTL + 2 s)")
     p.add_argument("--steps", type=int, default=2500, help="steps of each job (it must outlast the throttle)")
     p.add_argument("--step-sleep", type=float, default=0.01, help="extra compute per step (s)")
     p.add_argument("--before-s", type=float, default=3.0)
@@ -129,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     with EtcdServer() as etcd:
         for policy in a.policies:
             print(json.dumps(run_policy(etcd.endpoint, policy, a)), flush=True)
+        if not a.no_hang:
+            with tempfile.TemporaryDirectory(prefix="lft-hang-") as tmp:
+                fig = stop_in_exchange(etcd.endpoint, tmp, ttl_s=a.ttl, timeout_s=a.timeout)
+            fig.pop("event", None), fig.pop("stopping", None)
+            print(json.dumps(fig), flush=True)
     return 0
 
 

@@ -232,6 +232,16 @@ class Coordinator:
             except StoreError as e:
                 log.warning("replica %d: lease keepalive failed: %s", self.rid, e)
 
+    def report_stall(self, stall: dict[str, Any]) -> None:
+        """Our exchange has waited past hang.report_after_s: publish where (`stall/{rid}`, on our
+        lease; coord/hang.py reads it). Never raises: a diagnosis must not fail a step."""
+        try:
+            self.store.put(keys.stall(self._root, self.rid),
+                           json.dumps({"t": time.time(), "incarnation": self.incarnation, **stall}).encode(),
+                           lease=self._lease)
+        except Exception as e:
+            log.warning("replica %d: could not publish its stall report: %s", self.rid, e)
+
     # -- progress and failure watches -----------------------------------------------------------
     def heartbeat(self) -> None:
         """The training loop made progress. Call at least every hang_timeout_s."""

@@ -24,6 +24,8 @@ call these.
     finished                       the job trained to completion
     halt                           the job stopped on an error every replica must obey
     launchers/{name}               a live launcher of this run, bound to its lease
+    stall/{rid}                    a leader's exchange waiting past hang.report_after_s: its FTAR
+                                   neighbours and link counters, bound to its lease (coord/hang.py)
 """
 from __future__ import annotations
 
@@ -133,3 +135,7 @@ def finished(root: str) -> str:
 
 def halt(root: str) -> str:
     return f"{root}halt"
+
+
+def stall(root: str, rid: int | None = None) -> str:
+    return f"{root}stall/" + ("" if rid is None else str(rid))

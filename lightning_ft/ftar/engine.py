@@ -41,6 +41,7 @@ from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FT
 from .transport.base import RxLink, TxLink
 from .transport.endpoint import Endpoint
 from .transport.staging import DeviceStaging
+from .linkstate import CountedRx, CountedTx, LinkState
 from lightning_ft.threads import Thread
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ class Work:
 
     def exception(self) -> Optional[BaseException]:
         return self._error
+
+    def wait_done(self, timeout: float) -> bool:
+        """Block until done or `timeout`; whether it is done (raises nothing)."""
+        return self._done.wait(timeout)
 
     def wait(self, timeout: Optional[float] = None) -> list[torch.Tensor]:
         """Block until done; raises the Work's error. `timeout` bounds the wait itself."""
@@ -122,6 +127,10 @@ class FTAR:
         self._staging: dict[torch.device, DeviceStaging] = {}
         """The device path's staging, per device: allocated once, reused (transport/staging.py)."""
         self.paths: dict[str, int] = {}
+        self.links = LinkState()
+        """Bytes through the two ring links in the running all-reduce (linkstate.py): what a hang
+        diagnosis reads from another thread (`links.snapshot()`)."""
+        self._counted_links: Optional[tuple] = None
         """All-reduced tensors per data path ("cpu", "device"), for tests and reports."""
         if chunk_bytes % 8:
             raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} must be a multiple of 8")
@@ -312,6 +321,23 @@ class FTAR:
         tx, rx = self.transport.tx, self.transport.rx
         if tx is None or rx is None:
             raise RecoverableError(None, "the ring's links are closed (aborted); reconfigure first")
+        tx, rx = self._counted(tx, rx)
+        self.links.begin(self._seq)
+        try:
+            self._ring_cpu(flat, ring, plan, tx, rx, divisor)
+        finally:
+            self.links.end()
+
+    def _counted(self, tx: TxLink, rx: RxLink) -> tuple[TxLink, RxLink]:
+        """The epoch's links wrapped in the LinkState counters, once per pair of links (the
+        device staging keys its tickets on the link object)."""
+        c = self._counted_links
+        if c is None or c[0] is not tx or c[1] is not rx:
+            c = self._counted_links = (tx, rx, CountedTx(tx, self.links), CountedRx(rx, self.links))
+        return c[2], c[3]
+
+    def _ring_cpu(self, flat: torch.Tensor, ring: Ring, plan, tx: TxLink, rx: RxLink, divisor: Optional[float]) -> None:
+        es = flat.element_size()
         staged = self.staged or not tx.direct
         parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
         first = self._first_staged if staged else self._first_direct
@@ -449,6 +475,15 @@ class FTAR:
             return
         if tx is None or rx is None:
             raise RecoverableError(None, "the ring's links are closed (aborted); reconfigure first")
+        tx, rx = self._counted(tx, rx)
+        self.links.begin(self._seq)
+        try:
+            self._ring_device(flat, ring, tx, rx, divisor, ready, st)
+        finally:
+            self.links.end()
+
+    def _ring_device(self, flat: torch.Tensor, ring: Ring, tx: TxLink, rx: RxLink, divisor: Optional[float],
+                     ready: Sequence, st: DeviceStaging) -> None:
         es = flat.element_size()
         plan = schedule(ring.n, ring.index)
         staged = self.staged or not tx.direct

@@ -7,7 +7,9 @@ it implicitly, and is cleaned up by PID (its process group, which holds its own 
 
 A replica fails when one of its processes exits non-zero or by a signal, or when it hangs:
 its leader's `members/{rid}` key (DESIGN §3) existed for the current incarnation and then
-vanished (lease expired) while the leader process still runs. Then the supervisor
+vanished (lease expired) while the leader process still runs. From the moment the key vanished it
+says where the replica hangs (`_diagnose_hang`: a `hang` event with the rank, the FTAR link and
+the stack; docs/ARCHITECTURE.md, "Hang diagnosis"). Then the supervisor
 
 1. SIGKILLs the rest of the replica,
 2. writes `{prefix}/{job}/evict/{rid}/{inc}` at once, so the other replicas drop it without
@@ -37,7 +39,9 @@ from typing import Any, Callable, Optional, Sequence
 from lightning_ft.coord import keys
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.runs import RunHold, open_run
+from lightning_ft.coord.hang import culprit_rank, diagnose
 from lightning_ft.coord.store import EtcdStore, Store, StoreError
+from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, dump_stack, process_state
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ IDLE_WAKE_S = 1.0
 """run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
 HALT_GRACE_S = 10.0
 """After a halt, replicas still running this long (they learn it at their next round) are stopped."""
+STALL_MAX_AGE_S = 15.0
+"""A hang diagnosis uses the other replicas' stall reports (stall/{rid}) younger than this."""
 
 
 @dataclass
@@ -108,6 +114,8 @@ class _Replica:
     crash_code: Optional[int] = None
     """Exit code of the last failure that came before any commit (crash-loop detection)."""
     crash_streak: int = 0
+    diagnosis: Optional[threading.Thread] = None
+    """The hang diagnosis running since its member key vanished (`_diagnose_hang`)."""
     leaving_since: Optional[float] = None
     """When it was first seen on its way out (left/{rid}/{inc} written, or a rank exited 0 while
     others still run): past exit_timeout_s from then it is hung on exit."""
@@ -212,6 +220,7 @@ class Supervisor:
         self._cancel_members: Optional[Callable[[], None]] = None
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         self._events = open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8")
+        self._events_lock = threading.Lock()
 
     # -- public API -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -618,6 +627,10 @@ class Supervisor:
                 self._fail(rep, reason)
             elif rep.member_seen and rep.missing_since is None:
                 rep.missing_since = now
+                if rep.diagnosis is None or not rep.diagnosis.is_alive():  # read its stacks while it still hangs
+                    rep.diagnosis = threading.Thread(target=self._diagnose_hang, name=f"lft-hang-r{rep.rid}",
+                                                     args=(rep, rep.incarnation, list(rep.procs), now), daemon=True)
+                    rep.diagnosis.start()
             elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
                 if self._left_cleanly(rep):  # it revoked its lease on the way out: wait for the exit code
                     self._check_exit(rep, f"incarnation {rep.incarnation} left the job (left/{rep.rid}/"
@@ -625,8 +638,65 @@ class Supervisor:
                     continue
                 reason = (f"hung: members/{rep.rid} of incarnation {rep.incarnation} vanished (lease expired) "
                           f"{now - rep.missing_since:.1f}s ago while rank 0 (pid {rep.procs[0].pid}) still runs")
+                if rep.diagnosis is not None:  # its stacks are read before the kill (bounded)
+                    rep.diagnosis.join(DUMP_TIMEOUT_S + 1.0)
                 self._event(rep, "hang", reason=reason)
                 self._fail(rep, reason)
+
+    def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[subprocess.Popen],
+                       missing_since: float) -> None:
+        """A `hang` event that says where replica `rep` hangs (coord/hang.py): its ranks' process
+        states and Python stacks, read from outside while it still hangs (launch/stacks.py), and
+        the other replicas' stall reports (which FTAR link waits on it). Runs on its own thread
+        from the moment its member key vanished; the kill waits for it (bounded). A stopped rank
+        is a hang at once; otherwise the event waits for `hang_grace_s`, and is dropped if the
+        replica exited meanwhile (a leader that revoked its lease on its way out)."""
+        try:
+            if self._left_cleanly(rep):
+                return
+            live = {r: p.pid for r, p in enumerate(procs) if p.returncode is None}
+            if not live:
+                return
+            states = {r: process_state(pid) for r, pid in live.items()}
+            culprit = culprit_rank(states)
+            stacks = {r: dump_stack(pid) for r, pid in live.items() if r in (0, culprit)}
+            d = diagnose(rep.rid, states, self._stall_reports(), stacks, pids=live, max_age_s=STALL_MAX_AGE_S,
+                         why=f"members/{rep.rid} of incarnation {incarnation} vanished (lease expired) while "
+                             f"its processes run")
+            if d.state not in ("T", "t", "D"):
+                time.sleep(max(0.0, missing_since + self.hang_grace_s - time.monotonic()))
+                if (self._left_cleanly(rep) or process_state(live.get(0, -1)) in ("Z", "X", "?")
+                        or self._member_back(rep.rid, incarnation)):
+                    return  # the leader exited, or its key is back: no hang (the supervisor's own rule)
+            log.warning("hang: %s", d.reason)
+            self._event(rep, "hang", incarnation=incarnation, diagnosis=True, **d.event())
+        except Exception as e:  # a diagnosis must never stop the supervision
+            log.warning("replica %d: hang diagnosis failed: %s: %s", rep.rid, type(e).__name__, e)
+
+    def _member_back(self, rid: int, incarnation: int) -> bool:
+        """Whether members/{rid} exists again for `incarnation` (etcd's own view, from any thread)."""
+        try:
+            kv = self._store.get(keys.members(self._root, rid))
+            return kv is not None and json.loads(kv.value).get("incarnation") == incarnation
+        except Exception:
+            return False
+
+    def _stall_reports(self) -> dict[int, dict[str, Any]]:
+        """stall/{rid} of the run: each with `age_s` (seconds since its leader wrote it)."""
+        out: dict[int, dict[str, Any]] = {}
+        now = time.time()
+        try:
+            kvs, _ = self._store.get_prefix(keys.stall(self._root))
+        except Exception as e:
+            log.warning("could not read the stall reports: %s", e)
+            return out
+        for kv in kvs:
+            try:
+                st = json.loads(kv.value)
+                out[int(kv.key.rsplit("/", 1)[1])] = {**st, "age_s": now - float(st.get("t", 0.0))}
+            except (ValueError, TypeError):
+                continue
+        return out
 
     def _left_cleanly(self, rep: _Replica) -> bool:
         """Whether the replica's leader wrote `left/{rid}/{inc}` (Coordinator.close) before
@@ -886,8 +956,9 @@ class Supervisor:
     def _event(self, rep: _Replica, event: str, **details: Any) -> None:
         rec = {"t": time.time(), "event": event, "replica": rep.rid, "incarnation": rep.incarnation, **details}
         rep.last_event = event + (f": {details['reason']}" if "reason" in details else "")
-        self._events.write(json.dumps(rec) + "\n")
-        self._events.flush()
+        with self._events_lock:  # the hang diagnosis writes from its own thread
+            self._events.write(json.dumps(rec) + "\n")
+            self._events.flush()
         log.info("replica %d incarnation %d: %s %s", rep.rid, rep.incarnation, event, details)
 
     def _install_signal_handlers(self) -> Callable[[], None]:

@@ -165,7 +165,8 @@ class ReplicaManager:
                  fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
                  sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2,
-                 run_id: str = "", batch_policy: str = "shrink", stragglers: Any = None) -> None:
+                 run_id: str = "", batch_policy: str = "shrink", stragglers: Any = None,
+                 hang_report_after_s: float = 1.0) -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         if batch_policy not in POLICIES:
@@ -218,6 +219,8 @@ class ReplicaManager:
         self._clean = True
         self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)
         self.hang_timeout_s = hang_timeout_s
+        self.hang_report_after_s = hang_report_after_s
+        """An exchange waiting this long is reported, with its FTAR link counters (`_report_stall`)."""
         self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
                              connect_timeout_s=ftar_connect_timeout_s, bind_host=bind_host,
                              start_timeout_s=hang_timeout_s, transport=transport)
@@ -304,7 +307,8 @@ class ReplicaManager:
                   fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
                   checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg),
                   etcd_config=cfg.etcd, num_programs=cfg.ftar.num_programs,
-                  batch_policy=cfg.batch_policy, stragglers=cfg.stragglers)
+                  batch_policy=cfg.batch_policy, stragglers=cfg.stragglers,
+                  hang_report_after_s=cfg.hang.report_after_s)
         kw.update(overrides)
         return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
                    secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
@@ -856,9 +860,14 @@ class ReplicaManager:
         elif plan.lagging:  # fetch the healthy state while our zeros are on the wire
             vote = self._fetch(plan, deadline_s=self.ftar.timeout_s)
         nbytes = self.buckets.nbytes
-        deadline = time.monotonic() + self.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
+        start = time.monotonic()
+        deadline = start + self.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
+        stall_at = start + self.hang_report_after_s if self.coord is not None else None
         try:
             for work in works:  # bounded by the engine's own deadlines; this guards a stuck engine
+                if stall_at is not None and not work.wait_done(max(0.0, stall_at - time.monotonic())):
+                    self._report_stall(plan, time.monotonic() - start)
+                    stall_at = None
                 work.wait(max(0.1, deadline - time.monotonic()))
         except FatalError:
             raise
@@ -872,6 +881,21 @@ class ReplicaManager:
             self.buckets.write_grads()
         self.stats.exchange_s = time.perf_counter() - t0
         return vote
+
+    def _report_stall(self, plan: StepPlan, waited_s: float) -> None:
+        """Leader: the exchange has waited hang.report_after_s; say where (coord/hang.py): our
+        ring neighbours and the FTAR link counters, in etcd and the log."""
+        q = plan.quorum
+        if self.rid not in q.members:
+            return
+        lj, rj = neighbours(len(q.members), q.index(self.rid))
+        links = self.ftar.links.snapshot()
+        stall = {"round": q.round, "epoch": q.epoch, "step": plan.step, "rank": self.rank,
+                 "waited_s": round(waited_s, 3), "left": q.members[lj], "right": q.members[rj], "links": links}
+        log.warning("replica %d: exchange of step %d waiting %.1fs: from r%d %d bytes outstanding, to r%d %d",
+                    self.rid, plan.step, waited_s, stall["left"], links["rx_outstanding"], stall["right"],
+                    links["tx_outstanding"])
+        self.coord.report_stall(stall)
 
     def restore_grads(self) -> bool:
         """After a failed commit: put back this rank's local gradients as they were before the

@@ -73,7 +73,8 @@ def events(run_dir: Path, replica: int | None = None) -> list[dict]:
 
 
 def seq(evs: list[dict]) -> list[tuple[str, int]]:
-    return [(e["event"], e["incarnation"]) for e in evs]
+    """The supervision events in order (hang diagnoses, written from their own thread, left out)."""
+    return [(e["event"], e["incarnation"]) for e in evs if not e.get("diagnosis")]
 
 
 def env_of(out: Path, rid: int, inc: int, rank: int) -> dict:
@@ -190,10 +191,15 @@ def test_hang_by_lease_expiry_kills_evicts_and_restarts(make, store):
     pids = status(sup, 0)["pids"]
     wait_for(lambda: status(sup, 0)["incarnation"] == 1, 15, "the hang to be detected", poll=sup.poll)
     assert not any(alive(p) for p in pids)
-    ev = events(make.run_dir)
+    ev = [e for e in events(make.run_dir) if not e.get("diagnosis")]
     assert seq(ev) == [("start", 0), ("hang", 0), ("evict", 0), ("restart", 1)]
     assert "vanished (lease expired)" in ev[1]["reason"] and ev[2]["killed_ranks"] == [0, 1]
     assert store.get(f"{sup.root}evict/0/0").value.decode() == ev[1]["reason"]
+    # The diagnosis, read before the kill: the rank, its state, its stack from outside (py-spy).
+    diag = [e for e in events(make.run_dir) if e.get("diagnosis")]
+    assert len(diag) == 1 and (diag[0]["replica"], diag[0]["rank"], diag[0]["incarnation"]) == (0, 0, 0), diag
+    assert diag[0]["state"] in "RS" and diag[0]["links"] == [] and "vanished (lease expired)" in diag[0]["reason"]
+    assert "child.py" in diag[0]["stack"], diag[0]["stack"]
     # Incarnation 1 keeps its lease alive: it is not taken for hung.
     wait_for(lambda: store.get(f"{sup.root}members/0"), 10, "incarnation 1 to register", poll=sup.poll)
     assert sup.run(timeout_s=2.0) == EXIT_TIMEOUT
