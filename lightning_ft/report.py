@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import statistics
@@ -120,7 +121,7 @@ def work_steps(data: RunData, replicas: int) -> float:
 def fault_free_step_s(data: RunData, replicas: int) -> Optional[float]:
     gaps = []
     for rows in data.steps.values():
-        for a, b in zip(rows, rows[1:]):
+        for a, b in itertools.pairwise(rows):
             if (b["step"] == a["step"] + 1 and len(b["contributors"]) == replicas and len(a["contributors"]) == replicas
                     and not b["caught_up"] and a["inc"] == b["inc"]):
                 gaps.append(b["t"] - a["t"])
@@ -148,7 +149,7 @@ def failures(data: RunData, step_s: Optional[float]) -> list[Failure]:
         before = [t for t in others if t <= f.t]
         after = [t for t in others if t > f.t]
         if before and after:
-            gaps = [after[0] - before[-1]] + [b - a for a, b in zip(after, after[1:])][:5]
+            gaps = [after[0] - before[-1]] + [b - a for a, b in itertools.pairwise(after)][:5]
             f.stall_s = max(0.0, max(gaps) - (step_s or 0.0))
     return out
 
@@ -228,7 +229,7 @@ def segments(data: RunData, replicas: int) -> dict[int, list[tuple[float, float,
                 segs.append((first - mine[0]["call_s"] - t0, first - t0, "catch-up"))
             else:
                 segs.append((s["t"] - t0, first - t0, "starting"))
-            for a, b in zip(mine, mine[1:] + [None]):
+            for a, b in zip(mine, mine[1:] + [None], strict=True):
                 b_t = b["t"] if b else stop
                 state = "catch-up" if (b and b["caught_up"]) else "training"
                 segs.append((a["t"] - t0, b_t - t0, state))
@@ -287,9 +288,10 @@ def plot(data: RunData, path: str, summary: dict) -> None:
 
 
 def markdown(summary: dict) -> str:
-    lines = [f"# Run summary", "",
+    lines = ["# Run summary", "",
              f"- replicas: {summary['replicas']}; committed steps: {summary['steps']}; restarts: {summary['restarts']}",
-             f"- fault-free step time: {summary['fault_free_step_s']} s; training wall time: {summary['train_wall_s']} s",
+             f"- fault-free step time: {summary['fault_free_step_s']} s; "
+             f"training wall time: {summary['train_wall_s']} s",
              f"- effective training time (ETT): {summary['ett']} (work of {summary['work_steps']} full-batch "
              f"steps: a step with c of {summary['replicas']} replicas contributing counts c/{summary['replicas']})",
              f"- replicas bitwise identical at the end: {summary['identical']}",

@@ -465,7 +465,7 @@ class Coordinator:
         if q is None:
             return self._report.round == 0 or waited_s >= self._fallback_s
         with self._dead_lock:
-            alive = [r for r, i in zip(q.members, q.incarnations) if (r, i) not in self._dead]
+            alive = [r for r, i in zip(q.members, q.incarnations, strict=True) if (r, i) not in self._dead]
         return not alive or alive[0] == self.rid or waited_s >= self._fallback_s
 
     def _publish(self, step: int, round: int) -> None:

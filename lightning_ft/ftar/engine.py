@@ -316,7 +316,6 @@ class FTAR:
             if divisor is not None and flat.numel():
                 ops.scale_(flat, divisor)
             return
-        es = flat.element_size()
         plan = schedule(ring.n, ring.index)
         tx, rx = self.transport.tx, self.transport.rx
         if tx is None or rx is None:

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from lightning_ft.ftar.transport.base import RecoverableError
 from tests.ftar.test_engine import close_all, connect_all, make_ring
 
 
@@ -30,7 +31,7 @@ def test_a_rank_whose_left_neighbour_never_joins_waits_on_its_receive(transport)
         for f in fs:
             f.abort("test over")
         for w in works:
-            with pytest.raises(Exception):
+            with pytest.raises(RecoverableError):
                 w.wait(5)
         assert fs[0].links.snapshot()["rx_outstanding"] == 0
     finally:

@@ -11,7 +11,8 @@ import pytest
 
 from lightning_ft.launch import stacks
 
-SCRIPT = "import time\ndef parked_here():\n    print('up', flush=True)\n    while True:\n        time.sleep(0.01)\nparked_here()\n"
+SCRIPT = ("import time\ndef parked_here():\n    print('up', flush=True)\n    while True:\n        time.sleep(0.01)\n"
+          "parked_here()\n")
 
 
 @pytest.fixture
