@@ -207,3 +207,22 @@ def test_a_hang_diagnosis_is_reported_with_rank_link_and_stack(tmp_path):
     assert "wait (threading.py:331)" in md and "is stopped (SIGSTOP)" in md
     write_steps(str(tmp_path / "b"), {0: rows, 1: rows}, events=[])
     assert "## Hangs\n\nnone" in report.markdown(report.summarize(report.load(str(tmp_path / "b"))))
+
+
+def test_an_incarnation_killed_before_its_first_step_is_starting_then_down(tmp_path):
+    """A restart that dies before it trains has no steps.jsonl row (the 100-fault soak's run
+    directories have many): the timeline shows it starting, then down, and does not fail."""
+    d = str(tmp_path)
+    t_kill, t_back = write_run(d)
+    with open(os.path.join(d, "events.jsonl"), "a") as f:  # replica 2: a second incarnation dies unborn
+        for e in ({"t": T0 + 5.0, "event": "exit", "replica": 2, "incarnation": 0, "code": -9},
+                  {"t": T0 + 5.01, "event": "evict", "replica": 2, "incarnation": 0, "reason": "killed"},
+                  {"t": T0 + 5.5, "event": "restart", "replica": 2, "incarnation": 5},
+                  {"t": T0 + 6.5, "event": "exit", "replica": 2, "incarnation": 5, "code": -9},
+                  {"t": T0 + 6.51, "event": "evict", "replica": 2, "incarnation": 5, "reason": "killed"}):
+            f.write(json.dumps(e) + "\n")
+    data = report.load(d)
+    segs = report.segments(data, 3)[2]
+    assert (5.5, 6.5, "starting") in [(round(a, 2), round(b, 2), st) for a, b, st in segs]
+    report.report(d, png=True)
+    assert os.path.getsize(os.path.join(d, "timeline.png")) > 0
