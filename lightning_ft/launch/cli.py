@@ -24,7 +24,7 @@
         mode 0600 when no secret is given). Never the secret itself.
 
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R] ...
-        Effective training time of ft_hsdp and restart-the-world, a replica count, plan.png.
+        Effective training time of ft_hsdp and restart-the-world, a replica count, a picture (--png).
 
 Multi-node: run `lightning-ft etcd --host 0.0.0.0` (or use your own etcd) and start one
 `lightning-ft run --etcd HOST:PORT --replica-ids ...` per node with the same job settings,
