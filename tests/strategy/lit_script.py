@@ -44,6 +44,16 @@ import lightning_ft  # noqa: F401  (registers "ft_hsdp")
 import lightning.pytorch as L
 
 
+def pace(a: argparse.Namespace, trainer) -> None:
+    """The test harness's pacing (`--step-sleep`, `--degraded-sleep`); stream_app.py uses it too."""
+    if a.step_sleep:
+        time.sleep(a.step_sleep)
+    mgr = getattr(trainer.strategy, "mgr", None)
+    if a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
+            and len(mgr.last_plan.quorum.contributors) < mgr.R:
+        time.sleep(a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
+
+
 class Teacher(Dataset):
     def __init__(self, n: int = 1024, dim: int = 16) -> None:
         g = torch.Generator().manual_seed(1234)
@@ -85,12 +95,7 @@ class MLP(L.LightningModule):
         return loss
 
     def pace(self) -> None:
-        if self.a.step_sleep:
-            time.sleep(self.a.step_sleep)
-        mgr = getattr(self.trainer.strategy, "mgr", None)
-        if self.a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
-                and len(mgr.last_plan.quorum.contributors) < mgr.R:
-            time.sleep(self.a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
+        pace(self.a, self.trainer)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if (self.a.stop_at >= 0 and self.trainer.global_step >= self.a.stop_at

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +21,7 @@ import torch.nn as nn  # noqa: E402
 import lightning_ft  # noqa: E402,F401  (registers "ft_hsdp")
 import lightning.pytorch as L  # noqa: E402
 from id_streams import make_loader  # noqa: E402
+from lit_script import pace  # noqa: E402
 
 
 class Model(L.LightningModule):
@@ -37,12 +37,7 @@ class Model(L.LightningModule):
         print(json.dumps({"event": "ids", "rid": int(os.environ.get("LFT_REPLICA_ID", "-1")),
                           "rank": self.global_rank, "pos": list(pos) if pos else None,
                           "ids": [int(i) for i in batch["id"]]}), flush=True)
-        if self.a.step_sleep:
-            time.sleep(self.a.step_sleep)
-        mgr = getattr(self.trainer.strategy, "mgr", None)
-        if self.a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
-                and len(mgr.last_plan.quorum.contributors) < mgr.R:
-            time.sleep(self.a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
+        pace(self.a, self.trainer)
         return loss
 
     def configure_optimizers(self):

@@ -32,6 +32,30 @@ def _model():
     return m, opt
 
 
+def kill_job_after_checkpoint(cmd: list[str], root: str, step: int, timeout_s: float = 150) -> None:
+    """Start `lightning-ft run` (`cmd`), and once the checkpoint of `step` is complete under
+    `root`, SIGKILL the launcher and every replica at once (a whole-job kill)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(os.path.join(ck.step_dir(root, step), "manifest.json")):
+            assert time.monotonic() < deadline and p.poll() is None, f"no step-{step} checkpoint"
+            kids = children(p.pid) or kids
+            time.sleep(0.05)
+        kids = children(p.pid) or kids
+        for pid in [p.pid, *kids]:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait(10)
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def test_async_save_then_load_roundtrip_and_manifest(tmp_path):
     m, opt = _model()
     w = ck.CheckpointWriter(str(tmp_path), keep=2, rank=0)
@@ -126,25 +150,7 @@ def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
     cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd", etcd_endpoint,
            "--job", job, "--run-dir", run_dir, "--no-status", SCRIPT, "--steps", str(steps), "--steplr",
            "--step-sleep", "0.25", "etcd.lease_ttl_s=1", "quorum.init_timeout_s=60", *ckpt]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    kids: list[int] = []
-    try:
-        deadline = time.monotonic() + 150
-        while not os.path.exists(os.path.join(ck.step_dir(root, 20), "manifest.json")):
-            assert time.monotonic() < deadline and p.poll() is None, "no step-20 checkpoint"
-            kids = children(p.pid) or kids
-            time.sleep(0.05)
-        kids = children(p.pid) or kids
-        for pid in [p.pid, *kids]:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        p.kill()
-        p.wait(10)
-        for pid in kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    kill_job_after_checkpoint(cmd, root, 20)
     steps_done = [json.loads(l)["step"] for l in open(os.path.join(run_dir, "replica_0", "steps.jsonl"))]
     assert 20 <= max(steps_done) < steps
     # damage the newest checkpoint and leave a partial one: resume must skip both, by name

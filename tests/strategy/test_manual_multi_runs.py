@@ -75,15 +75,13 @@ def test_gan_checkpoint_carries_both_optimizers_and_schedulers(tmp_path, etcd_en
     committed batch count) ends bitwise where the uninterrupted GAN ends."""
     import json
     import os
-    import signal
     import subprocess
     import sys
-    import time
     import uuid
 
     from lightning_ft.replica import checkpoint as ck
-    from tests.procs import children
     from tests.strategy.runs import SCRIPT
+    from tests.strategy.test_checkpoint import kill_job_after_checkpoint
 
     steps = 24
     ckpt = ("checkpoint.every_n_steps=8", "checkpoint.keep=5")
@@ -98,25 +96,7 @@ def test_gan_checkpoint_carries_both_optimizers_and_schedulers(tmp_path, etcd_en
     cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--etcd", etcd_endpoint,
            "--job", job, "--run-dir", run_dir, "--no-status", SCRIPT, "--gan", "--steps", str(steps), "--steplr",
            "--step-sleep", "0.25", "etcd.lease_ttl_s=1", "quorum.init_timeout_s=60", *ckpt]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    kids: list[int] = []
-    try:
-        deadline = time.monotonic() + 150
-        while not os.path.exists(os.path.join(ck.step_dir(root, 8), "manifest.json")):
-            assert time.monotonic() < deadline and p.poll() is None, "no step-8 checkpoint"
-            kids = children(p.pid) or kids
-            time.sleep(0.05)
-        kids = children(p.pid) or kids
-        for pid in [p.pid, *kids]:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        p.kill()
-        p.wait(10)
-        for pid in kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    kill_job_after_checkpoint(cmd, root, 8)
     resume = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--resume", run_dir, "--etcd", etcd_endpoint,
               "--no-status", "--timeout", "150", SCRIPT, "--gan", "--steps", str(steps), "--steplr"]
     r = subprocess.run(resume, capture_output=True, text=True, timeout=200)
