@@ -23,7 +23,7 @@ MAX_SKEW_S = 60.0
 ACK = b"\x06"
 """The byte a fetcher sends back, on every part's connection, after every part verified."""
 MAC_BYTES = 16
-META_KEYS = ("step", "param_groups", "scheduler", "scaler", "batches")
+META_KEYS = ("step", "param_groups", "scheduler", "scaler", "batches", "callbacks")
 """The meta a fetcher accepts; any other key a server sends is dropped."""
 MAX_PARTS = 64
 """Most parts (parallel connections) one fetch may split a state into."""
@@ -157,6 +157,8 @@ def check_meta(meta: object, param_groups: list[dict]) -> dict:
     for key in ("step", "batches"):
         if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int)):
             raise CatchupError(f"meta {key} {out[key]!r} is not an integer")
+    if out.get("callbacks") is not None and not isinstance(out["callbacks"], str):
+        raise CatchupError(f"meta callbacks is a {type(out['callbacks']).__name__}, not a string")
     if out.get("scaler") is not None:
         from lightning_ft.replica.scaler import ScalerStateError, check_state
 

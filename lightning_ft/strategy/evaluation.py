@@ -64,7 +64,12 @@ class CrossReplicaReducer:
         self.timeout_s = timeout_s
         self._runs: dict[tuple, int] = {}
         self._prefix = ""
-        self._seq = 0
+        self._seq = {"m": 0, "d": 0}
+        self.deciding = False
+        """Set by the strategy around `reduce_boolean_decision`: callbacks' decisions count
+        apart from metric values, so that a replica whose callbacks ask a different number of
+        questions (a ModelCheckpoint with fewer files than its top-k asks none) never pairs
+        its val_loss with another's decision."""
         self._members: tuple[tuple[int, int], ...] = ()
 
     def _live(self) -> tuple[tuple[int, int], ...]:
@@ -80,7 +85,7 @@ class CrossReplicaReducer:
         ident = (stage, mgr.gen, mgr.step)
         self._runs[ident] = self._runs.get(ident, 0) + 1
         self._prefix = f"{mgr.root}eval/{stage}/{mgr.gen:04d}/{mgr.step:012d}/{self._runs[ident]}/"
-        self._seq = 0
+        self._seq = {"m": 0, "d": 0}
 
     def shard(self) -> tuple[int, int]:
         """(this replica's index, number of replicas) for the evaluation being started. From the
@@ -99,8 +104,9 @@ class CrossReplicaReducer:
         """`value` (this replica's, already reduced over its ranks) reduced over the replicas
         with op in sum | mean | max | min. Every rank calls it; the leader talks to etcd."""
         mgr = self.mgr
-        key = f"{self._prefix}{self._seq:05d}/"
-        self._seq += 1
+        kind = "d" if self.deciding else "m"
+        key = f"{self._prefix}{kind}{self._seq[kind]:05d}/"
+        self._seq[kind] += 1
         out: Any = None
         if mgr.is_leader:
             try:

@@ -363,6 +363,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.mgr.on_commit = self._on_commit
         self.mgr.set_scaler(getattr(self.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
         self.mgr.clip_catchup = self._clip_catchup
+        from lightning_ft.strategy.callback_state import CallbackState
+
+        self.mgr.callbacks = CallbackState(lambda: getattr(self.lightning_module, "_trainer", None))
         resume = os.environ.get("LFT_RESUME")
         if resume:
             t0 = time.perf_counter()
@@ -495,13 +498,18 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Over every rank of every live replica: EarlyStopping, ModelCheckpoint and friends
         decide the same on every replica at the same step."""
-        if self.mgr is None or self._reducer.active:
+        if self.mgr is None:
             return super().reduce_boolean_decision(decision, all=all)
-        self._reducer.begin("decide")
+        active = self._reducer.active
+        if not active:
+            self._reducer.begin("decide")
+        self._reducer.deciding = True
         try:
             return super().reduce_boolean_decision(decision, all=all)
         finally:
-            self._reducer.end()
+            self._reducer.deciding = False
+            if not active:
+                self._reducer.end()
 
     def _micro_batches(self) -> int:
         trainer = self.lightning_module.trainer

@@ -64,7 +64,18 @@ def test_typical_program_with_callbacks_bf16_clipping_accumulation_under_faults(
     by_step: dict[int, set] = {}
     for v in vals:
         by_step.setdefault(v["step"], set()).add(round(v["val_loss"], 6))
-    assert by_step and all(len(s) == 1 for s in by_step.values()), (by_step, faults)  # the same val_loss everywhere
+    # No validation waits out etcd.hang_timeout_s (30 s) for an answer another replica never
+    # gives: a restarted ModelCheckpoint asked fewer questions than the others (two 30 s stalls).
+    import itertools
+    import json
+
+    for rid in range(3):
+        with open(os.path.join(run.run_dir, f"replica_{rid}", "steps.jsonl")) as f:
+            ts = [json.loads(line)["t"] for line in f if line.strip()]
+        gaps = [b - a for a, b in itertools.pairwise(ts)]
+        assert max(gaps) < 20, (rid, max(gaps), faults)
+    differ = [v for v in vals if len(by_step[v["step"]]) > 1]
+    assert by_step and not differ, (differ, faults, ok(run))  # the same val_loss everywhere
     tests = _rows(run, "test")  # trainer.test, .validate and .predict after fit, on the final weights
     assert len(tests) == 3 and len({round(t["test_loss"], 6) for t in tests}) == 1, tests
     assert len({round(t["val_loss"], 6) for t in tests}) == 1 and {t["predicted"] for t in tests} == {200}, tests

@@ -417,6 +417,7 @@ def test_only_known_meta_keys_are_applied(server):
                         ({"param_groups": [{"lr": "fast"}]}, "key 'lr': server sent 'fast'"),
                         ({"param_groups": [{"betas": 0.9}]}, "key 'betas'"),
                         ({"param_groups": theirs, "step": "7"}, "not an integer"),
+                        ({"param_groups": theirs, "callbacks": {"x": 1}}, "callbacks is a dict"),
                         ([1, 2], "not a mapping")):
         with pytest.raises(CatchupError, match=needle):
             check_meta(bad, opt.param_groups)

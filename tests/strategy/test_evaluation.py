@@ -25,8 +25,22 @@ def reducer_of_replica_0(others: dict[int, list[float]]) -> CrossReplicaReducer:
     red.begin("val")
     for seq, values in enumerate(zip(*others.values(), strict=True)):
         for rid, v in zip(others, values, strict=True):
-            store.put(f"{red._prefix}{seq:05d}/{rid}", json.dumps([v]).encode())
+            store.put(f"{red._prefix}m{seq:05d}/{rid}", json.dumps([v]).encode())
     return red
+
+
+def test_decisions_count_apart_from_metric_values():
+    """A replica whose callbacks ask one question fewer (a restarted ModelCheckpoint with fewer
+    files than save_top_k asks none) still pairs its val_loss with the others' val_loss, and
+    its next decision with their first."""
+    red = reducer_of_replica_0({1: [2.0], 2: [4.0]})  # the others' val_loss, at metric 0
+    for rid, vote in ((1, 1.0), (2, 0.0)):  # ... and their first decision
+        red.mgr.store.put(f"{red._prefix}d00000/{rid}", json.dumps([vote]).encode())
+    red.deciding = True
+    decided = red.reduce(torch.tensor(1), "sum")
+    red.deciding = False
+    assert int(decided) == 2
+    assert float(red.reduce(torch.tensor(3.0), "mean")) == pytest.approx(3.0)  # not mixed with the votes
 
 
 def test_mean_of_batch_counts_is_not_truncated():
