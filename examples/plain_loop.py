@@ -52,6 +52,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "prints a 'stopping' line with the time first: hang diagnosis tests and bench.straggler)")
     p.add_argument("--fail-commit-at", type=int, default=-1,
                    help="vote 'failed' after exchanging this step (incarnation 0): a partial completion")
+    p.add_argument("--fail-replicas", default="", metavar="R,R",
+                   help="only these replicas vote 'failed' at --fail-commit-at (default: every replica)")
     p.add_argument("--clip", type=float, default=0.0,
                    help="clip the averaged gradients' norm to this (0: no clipping), in catch-ups too")
     p.add_argument("--failures", default="", help="injections 'REPLICA@STEP:KIND,...' (kill, hang, exception, corrupt)")
@@ -234,7 +236,8 @@ def main(argv: list[str]) -> int:
 
     def failing_exchange(plan, **kw):  # --fail-commit-at: a partial completion, this replica votes "failed"
         vote = exchange(plan, **kw)
-        if inc == 0 and plan.step == a.fail_commit_at and plan.contribute:
+        if inc == 0 and plan.step == a.fail_commit_at and plan.contribute and (
+                not a.fail_replicas or str(rid) in a.fail_replicas.split(",")):
             a.fail_commit_at = -1
             return False
         return vote

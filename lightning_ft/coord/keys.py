@@ -21,7 +21,10 @@ call these.
     cursor/{gen:04d}/{slot}        next batch of a slot in history generation gen
     rewinds/{gen:04d}              how generation gen began: {from, to, checkpoint, cursors}
     ckpt/latest, ckpt/{step:012d}  published persistent checkpoints
-    finished                       the job trained to completion
+    finished                       the job trained to completion: {step, rid, incarnation}
+    done/{rid}                     a replica ended at the final step: {step, incarnation}
+                                   (a finisher serves its state until the others are done;
+                                   replica/ending.py)
     halt                           the job stopped on an error every replica must obey
     launchers/{name}               a live launcher of this run, bound to its lease
     stall/{rid}                    a leader's exchange waiting past hang.report_after_s: its FTAR
@@ -131,6 +134,10 @@ def ckpt(root: str, step: int) -> str:
 
 def finished(root: str) -> str:
     return f"{root}finished"
+
+
+def done(root: str, rid: int | None = None) -> str:
+    return f"{root}done/" + ("" if rid is None else str(rid))
 
 
 def halt(root: str) -> str:

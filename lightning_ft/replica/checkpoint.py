@@ -408,7 +408,7 @@ def restart_job(store: Any, root: str, ckpt: Optional[str]) -> dict:
     from lightning_ft.replica.data import latest_gen, read_rewinds, seed_generation
 
     for prefix in (keys.members(root), keys.alive(root), keys.addrs(root), keys.evict(root), f"{root}left/",
-                   keys.quorum(root), f"{root}eval/"):
+                   keys.quorum(root), f"{root}eval/", keys.done(root)):
         store.delete_prefix(prefix)
     for key in (keys.finished(root), keys.halt(root), keys.config(root)):
         store.delete(key)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.coordinator import Coordinator, JobFinished
 from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, adopt_role, must_abort, steady_next
 from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import Store, StoreError, store_from_config
@@ -277,6 +277,9 @@ class ReplicaManager:
         self.restart_breakdown: Optional[dict] = None
         """A restarted incarnation's start-up in parts (replica/startup.py), set at its first commit."""
         self.on_state_replaced: Optional[Callable[[StepPlan], None]] = None
+        self.callbacks: Any = None
+        """The caller's other state a catch-up carries (state_dict() -> str or None,
+        load_state_dict(str)): Lightning callbacks' (strategy/callback_state.py)."""
         """Called after a sync or catch-up replaced this rank's state (not after training)."""
         self.request_stop = False
         """Ask the job to stop (reported with every round until a round carries it)."""
@@ -747,7 +750,10 @@ class ReplicaManager:
         """The extra batches whose gradients the local gradients hold besides our own."""
         if recompute is None and not computed:  # compute() has not run: it can simply run again
             recompute = compute
-        first = pending.result() if pending is not None else None
+        try:
+            first = pending.result() if pending is not None else None
+        except JobFinished as e:
+            return self._ended_behind(res, e)
         if first is None and self._stash is not None:
             first, self._stash = self._stash, None
         replaced = False
@@ -755,7 +761,10 @@ class ReplicaManager:
         while True:
             if first is None and batch is not None and self.cursor > batch and not behind:
                 return res
-            plan, first = (first, None) if first is not None else (self.start_step(), None)
+            try:
+                plan, first = (first, None) if first is not None else (self.start_step(), None)
+            except JobFinished as e:
+                return self._ended_behind(res, e)
             if self.multi and plan.contribute:
                 plan = self._own_optimizer(plan)
             if plan.sync:
@@ -823,6 +832,16 @@ class ReplicaManager:
             self._clean = False  # a retry: this step's time is not its compute time
             if not self.restore_grads():
                 replaced = True  # the gradients are gone (zeroed): recompute them on the next round
+
+    def _ended_behind(self, res: StepResult, finished: JobFinished) -> StepResult:
+        """The job finished at a later step than ours (we failed to commit its last step):
+        take the final state from a replica that finished, or leave (JobFinished again)."""
+        from lightning_ft.replica import ending
+
+        if not ending.adopt_final(self, self.linger_s):
+            raise finished
+        res.caught_up = True
+        return res
 
     def _own_optimizer(self, plan: StepPlan) -> StepPlan:
         """A contributor's plan with the optimizer it steps (a round no report named one for)."""
@@ -912,6 +931,7 @@ class ReplicaManager:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "batches": self.batches,
+            "callbacks": self.callbacks.state_dict() if self.callbacks is not None else None,
         }
 
     def _publish_snapshot(self, q: Quorum) -> None:
@@ -931,6 +951,17 @@ class ReplicaManager:
             log.warning("replica %d rank %d: no state-server address of replica %d for round %d (it is gone)",
                         self.rid, self.rank, src, q.round)
             return FAILED
+        vote = self.fetch_from(addr, plan.step, src, deadline_s)
+        if vote == OK:
+            st = self.stats
+            log.info("replica %d rank %d %s step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid,
+                     self.rank, "adopted" if plan.sync else "caught up to", plan.step, src, st.catchup_mb,
+                     st.catchup_s, st.catchup_gbps)
+        return vote
+
+    def fetch_from(self, addr: str, step: int, src: int, deadline_s: float) -> int:
+        """Fetch version `step` of replica `src`'s state (this rank's shard, from `addr`) into our
+        tensors and apply its meta: OK, FAILED (nothing written) or LOST (partly overwritten)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + deadline_s
         materialize_optimizer_state(self.optimizer)
@@ -938,14 +969,14 @@ class ReplicaManager:
         while True:
             try:
                 with torch.no_grad():
-                    meta, stats = fetch_state(addr, plan.step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
+                    meta, stats = fetch_state(addr, step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
                                               timeout_s=max(10.0, self.ftar.timeout_s * 2),
                                               param_groups=self.optimizer.param_groups)
                 break
             except CatchupError as e:
                 # The source publishes right after it gets the same quorum (or, in a rewind, after
                 # it loaded the checkpoint); we may be early.
-                if e.not_yet_published(plan.step) and time.monotonic() < deadline:
+                if e.not_yet_published(step) and time.monotonic() < deadline:
                     time.sleep(0.002)
                     continue
                 log.warning("replica %d rank %d: catch-up from replica %d failed: %s", self.rid, self.rank, src, e)
@@ -957,14 +988,13 @@ class ReplicaManager:
             self.scheduler.load_state_dict(meta["scheduler"])
         if self.scaler is not None and meta.get("scaler") is not None:
             self.scaler.load_state_dict(meta["scaler"])
-        self.batches = int(meta.get("batches", plan.step))
+        self.batches = int(meta.get("batches", step))
+        if self.callbacks is not None and meta.get("callbacks"):
+            self.callbacks.load_state_dict(meta["callbacks"])
         self.stats.catchup_s = time.perf_counter() - t0
         startup.mark("caught_up")
         self.stats.catchup_gbps = stats.get("gbps", 0.0)
         self.stats.catchup_mb = stats.get("bytes", 0) / 1e6
-        log.info("replica %d rank %d %s step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", self.rid, self.rank,
-                 "adopted" if plan.sync else "caught up to", plan.step, src, stats["bytes"] / 1e6, stats["seconds"],
-                 stats["gbps"])
         return OK
 
     # -- sync rounds: the job's start, resumes and rewinds ------------------------------------------------
@@ -1196,12 +1226,18 @@ class ReplicaManager:
             ahead = q is not None and (q.max_step > self.step or q.gen != self.gen)
         return bool(self._broadcast(ahead))
 
+    @property
+    def linger_s(self) -> float:
+        """How long a finisher serves its final state to a member behind it (replica/ending.py)."""
+        return max(10.0, 3 * self.ftar.timeout_s)
+
     def mark_finished(self) -> None:
-        """Record that the job trained to completion (at this replica's step); a replica that
-        restarts afterwards finds nothing left to do instead of training alone."""
-        if self.is_leader:
-            self.flush_ledger()
-            self._store.put(keys.finished(self.root), json.dumps({"step": self.step, "rid": self.rid}).encode())
+        """This replica trained to the end (every rank): record that the job trained to
+        completion, so that a replica restarted afterwards finds nothing left to do instead of
+        training alone, and serve the final state to a member behind it (replica/ending.py)."""
+        from lightning_ft.replica import ending
+
+        ending.finish(self, self.linger_s)
 
     def finished_step(self) -> Optional[int]:
         """The step at which the job finished, or None while it runs. Same answer on every rank."""

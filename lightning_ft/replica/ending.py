@@ -1,0 +1,166 @@
+"""The end of the job (docs/ARCHITECTURE.md, "The end of the job").
+
+Each replica commits a step on its own evidence (its ring completed), so the last step can
+commit on some replicas while the others abort it. In mid-job that is healed by the next
+round: the replicas behind catch up from the one ahead. At the last step nobody trains a next
+round: CI saw replica 2 commit step 1200 and finish while replicas 0 and 1 retried 1200,
+found the job `finished`, and left at 1199 without the final state.
+
+So a replica that trained to the end (`finish`, every rank):
+1. serves its final state (a publication of its state server, as for a catch-up);
+2. records `finished` {step, rid, incarnation} (the first finisher's stays) and its own
+   `done/{rid}`;
+3. lingers while another member of its last quorum, or a replica sitting out a probation or
+   quarantine of it, is not done at that step and still alive (`pending`), for at most
+   `linger_s`. In the usual end every replica finishes within milliseconds of the others and
+   nobody waits.
+
+A replica behind the finished step that meets `finished` in its next round (`adopt_final`)
+fetches a done replica's final state instead of leaving: it ends at the final step with the
+same state, and is done in turn. One that never trained (a restart after the end) still
+leaves at once (JobFinished), as does one that finds no done replica alive to fetch from.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+from lightning_ft.coord import keys
+
+log = logging.getLogger("lightning_ft.replica")
+
+
+def pending(step: int, others: Sequence[tuple[int, Optional[int]]], done: Mapping[int, int],
+            alive: Mapping[int, int]) -> list[int]:
+    """The replicas a finisher at `step` still waits for: of `others` ((rid, incarnation), None
+    for any incarnation), those not done at `step` (`done`: rid -> its done step) whose
+    incarnation is still alive (`alive`: rid -> the live incarnation, without the evicted)."""
+    out = []
+    for rid, inc in others:
+        if done.get(rid, -1) >= step or rid not in alive:
+            continue
+        if inc is None or alive[rid] == inc:
+            out.append(rid)
+    return out
+
+
+def _others(mgr: Any) -> list[tuple[int, Optional[int]]]:
+    """The members of our last quorum but us, and the replicas sitting out a probation or a
+    quarantine of it (any incarnation: they were members before)."""
+    plan = mgr.last_plan
+    if plan is None:
+        return []
+    q = plan.quorum
+    out: list[tuple[int, Optional[int]]] = [(r, i) for r, i in zip(q.members, q.incarnations, strict=True)
+                                            if r != mgr.rid]
+    seen = {r for r, _ in out} | {mgr.rid}
+    for rid, _, _ in tuple(q.quarantine) + tuple(q.slow):
+        if rid not in seen:
+            out.append((rid, None))
+            seen.add(rid)
+    return out
+
+
+def _read(store: Any, root: str) -> tuple[dict[int, int], dict[int, int]]:
+    """(done: rid -> step, alive: rid -> live incarnation, evicted ones left out)."""
+    kvs, _ = store.get_prefix(keys.done(root))
+    done = {}
+    for kv in kvs:
+        tail = kv.key.rsplit("/", 1)[1]
+        if tail.isdigit():
+            done[int(tail)] = int(json.loads(kv.value)["step"])
+    kvs, _ = store.get_prefix(keys.alive(root))
+    alive = {}
+    for kv in kvs:
+        tail = kv.key.rsplit("/", 1)[1]
+        if tail.isdigit():
+            inc = int(json.loads(kv.value)["incarnation"])
+            if store.get(keys.evict(root, int(tail), inc)) is None:
+                alive[int(tail)] = inc
+    return done, alive
+
+
+def finish(mgr: Any, linger_s: float) -> None:
+    """This replica trained to the end (every rank calls it): serve the final state, record
+    `finished` and `done`, and linger while a member that is behind may still fetch it."""
+    others = _others(mgr)
+    if others and mgr.server is not None:
+        expected = {f"{r}/{k}" for r, _ in others for k in range(mgr.world)}
+        mgr.server.publish(mgr.step, mgr.state_tensors(), mgr._meta(), expected)
+    if mgr.is_leader:
+        store, root = mgr.store, mgr.root
+        mgr.flush_ledger()
+        record = json.dumps({"step": mgr.step, "rid": mgr.rid, "incarnation": mgr.incarnation}).encode()
+        if not store.create(keys.finished(root), record):
+            kv = store.get(keys.finished(root))  # a replica that finished first: its record stays
+            if kv is not None and int(json.loads(kv.value)["step"]) < mgr.step:
+                store.put(keys.finished(root), record)
+        store.put(keys.done(root, mgr.rid), json.dumps({"step": mgr.step, "incarnation": mgr.incarnation}).encode())
+        t0 = time.monotonic()
+        late: list[int] = []
+        while others:
+            done, alive = _read(store, root)
+            late = pending(mgr.step, others, done, alive)
+            if not late or time.monotonic() - t0 > linger_s:
+                break
+            time.sleep(0.02)
+        waited = time.monotonic() - t0
+        if late:
+            log.warning("replica %d: finished at step %d; replicas %s neither fetched the final state nor ended "
+                        "within %.0f s", mgr.rid, mgr.step, late, linger_s)
+        if waited > 0.5 or late:
+            mgr.event("finish", replica=mgr.rid, step=mgr.step, waited_s=round(waited, 3), late=late)
+    mgr.broadcast(None)  # every rank serves until the leader stops waiting
+
+
+def _final_source(mgr: Any) -> Optional[tuple[int, int, list[str]]]:
+    """Leader: (the final step, a done replica at it, its ranks' state-server addresses) when
+    this replica is behind a finished job it trained in, else None."""
+    store, root = mgr.store, mgr.root
+    kv = store.get(keys.finished(root))
+    if kv is None or not mgr.synced:
+        return None
+    step = int(json.loads(kv.value)["step"])
+    if step <= mgr.step:
+        return None
+    done, alive = _read(store, root)
+    for rid in sorted(r for r, s in done.items() if s == step and r in alive and r != mgr.rid):
+        addrs = mgr.coord.addresses(rid, alive[rid])
+        if addrs is not None and len(addrs[1]) == mgr.world:
+            return step, rid, list(addrs[1])
+    return None
+
+
+def adopt_final(mgr: Any, linger_s: float) -> bool:
+    """Every rank, on JobFinished in a round: fetch a done replica's final state if this
+    replica is behind it. Returns whether it now holds the final state (False: it leaves as a
+    late replica does)."""
+    from lightning_ft.replica.manager import LOST, OK, ReplicaStateLost
+
+    src = None
+    if mgr.is_leader:
+        try:
+            src = _final_source(mgr)
+        except Exception as e:  # etcd trouble: leave as before
+            log.warning("replica %d: could not look for the final state: %s", mgr.rid, e)
+    src = mgr.broadcast(src)
+    if src is None:
+        return False
+    step, rid, addrs = src
+    t0 = time.perf_counter()
+    vote = mgr._vote(mgr.fetch_from(addrs[mgr.rank], step, rid, deadline_s=linger_s))
+    if vote == LOST:
+        raise ReplicaStateLost(f"replica {mgr.rid}: fetching replica {rid}'s final state failed midway; the state "
+                               "is partly overwritten")
+    if vote != OK:
+        return False
+    mgr.step = step
+    mgr.disarm()
+    if mgr.is_leader:
+        seconds = time.perf_counter() - t0
+        print(f"lightning-ft: replica {mgr.rid} ended behind the job: fetched replica {rid}'s final state at step "
+              f"{step} in {seconds:.3f} s", flush=True)
+        mgr.event("final_adopted", replica=mgr.rid, source=rid, step=step, seconds=round(seconds, 4))
+    return True
