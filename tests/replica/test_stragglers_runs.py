@@ -46,8 +46,17 @@ def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identi
         # released: it rejoins by catch-up and trains again
         r1 = job.replicas[1]
         r1.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release and x["role"] == "train", 90)
-        print(json.dumps({"before": before, "during": during, "detect_s": t_out - t_throttle, "events": len(ev)}))
-        assert during >= 0.6 * before, (before, during)
+        # What the policy controls: the straggler sits out most rounds while it is slow (each
+        # return costs a catch-up and `window` rounds at its pace, then a doubled probation).
+        # The rate also moves with the machine's load, which shares the two cores.
+        steps = [x for x in r0.rows if x.get("event") == "step" and t_out <= x["t"] <= t_release]
+        joined = sum(1 for x in steps if 1 in x["members"])
+        diag = json.dumps({"before": before, "during": during, "detect_s": t_out - t_throttle, "steps": len(steps),
+                           "with_straggler": joined, "exclusions": [(e["round"], e.get("until_round"), e["by"])
+                                                                    for e in ev]})
+        print(diag)
+        assert joined <= 0.3 * len(steps), diag
+        assert during >= 0.5 * before, diag
         job.wait_done(240)
     finally:
         for r in job.replicas.values():
