@@ -82,10 +82,9 @@ def test_typical_program_with_callbacks_bf16_clipping_accumulation_under_faults(
     assert len({round(t["pred_sum"], 4) for t in tests}) == 1, tests
     ckpts = os.listdir(os.path.join(run.run_dir, "lightning_ckpts"))
     # One writer at a time (the lowest-id contributor), save_top_k=2. Lightning's ModelCheckpoint
-    # keeps its top-k in memory and catch-up does not carry callback state, so a replica restarted
-    # since, once it is the writer, does not know (and never removes) the files written before it:
-    # each callback instance that writes leaves at most save_top_k files. Known limitation (CI saw
-    # 6 files after 2 writer changes); with no restart of a writer it is exactly <= 2.
+    # keeps its top-k in memory; catch-up carries it (strategy/callback_state.py), but a writer
+    # restarted into a sync that carried none starts afresh and never removes the files written
+    # before it: each callback instance that writes leaves at most save_top_k files.
     with open(os.path.join(run.run_dir, "events.jsonl")) as f:
         restarts = sum(1 for line in f if '"event": "restart"' in line)
     assert 1 <= len(ckpts) <= 2 * (3 + restarts), (ckpts, restarts, faults)
