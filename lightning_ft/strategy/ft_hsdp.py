@@ -131,6 +131,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         batches from it by sample index."""
         self._extra_losses: list[float] = []
         self._resume_point: Any = None
+        self._manual_clip: Any = None
+        """Manual optimization: `self.clip_gradients` deferred to the averaged gradients
+        (strategy/manual_clip.py)."""
         """trainer.fit(ckpt_path=...): where the checkpoint puts the job (strategy/resume.py)."""
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
@@ -365,7 +368,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.mgr.clip_catchup = self._clip_catchup
         from lightning_ft.strategy.callback_state import CallbackState
 
-        self.mgr.callbacks = CallbackState(lambda: getattr(self.lightning_module, "_trainer", None))
+        extras: dict[str, Any] = {}
+        if not self.lightning_module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
+            from lightning_ft.strategy.manual_clip import DeferredClip
+
+            self._manual_clip = DeferredClip(self.precision_plugin, lambda: self.optimizers)
+            extras["clip"] = self._manual_clip
+        self.mgr.callbacks = CallbackState(lambda: getattr(self.lightning_module, "_trainer", None), extras)
         resume = os.environ.get("LFT_RESUME")
         if resume:
             t0 = time.perf_counter()
@@ -584,6 +593,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         t1 = time.perf_counter()
 
         def after_exchange() -> None:  # hooks and clipping on the averaged gradients, identically everywhere
+            if self._manual_clip is not None:  # where the training_step asked, as under DDP: before the hooks
+                self._manual_clip.apply(index, optimizer)
             self.precision_plugin._after_closure(self.lightning_module, optimizer)
 
         self._extra_losses = []
@@ -596,6 +607,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                 phase=(index, cont) if self.mgr.multi else None)
         if self.mgr.multi and not res.trained:
             self._batch[1] = False  # others trained this batch, or its rest: skip its remaining steps
+        if self._manual_clip is not None:
+            self._manual_clip.stepped(index, res.trained)
         self._phase["step_ms"] = (time.perf_counter() - t1) * 1e3
         if res.trained and self._extra_losses and res.loss is not None:  # the mean over the slots we trained
             res.loss = (float(res.loss) + sum(self._extra_losses)) / (1 + len(self._extra_losses))
@@ -635,7 +648,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _clip_catchup(self) -> None:
         """A catch-up's optimizer step: clip the averaged gradients as the contributors did in
         `_after_closure` (Lightning's clipping and the module's configure_gradient_clipping),
-        but run none of the on_before_optimizer_step hooks: a late replica runs no user hook."""
+        but run none of the on_before_optimizer_step hooks: a late replica runs no user hook.
+        Manual optimization: the clip the contributors' training_step asked for that optimizer
+        at its last committed step (strategy/manual_clip.py)."""
+        if self._manual_clip is not None:
+            opt = self.mgr.stepped_optimizer()
+            self._manual_clip.catch_up(self._manual_clip.index(opt), opt)
+            return
         module = self.lightning_module
         trainer = module.trainer
         self.precision_plugin._clip_gradients(module, self.mgr.stepped_optimizer(), trainer.gradient_clip_val,

@@ -237,6 +237,7 @@ class GAN(MLP):
         if self.global_rank == 0:
             print(json.dumps({"event": "gan", "step": self.trainer.global_step,
                               "lrs": [o.param_groups[0]["lr"] for o in self.trainer.optimizers],
+                              "loss": float(outputs["loss"] if isinstance(outputs, dict) else outputs),
                               "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}), flush=True)
 
 
@@ -275,7 +276,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     callbacks = []
     if a.ddp:
-        strategy: object = "ddp"
+        # a GAN's discriminator step leaves the generator's parameters without gradients
+        strategy: object = "ddp_find_unused_parameters_true" if a.gan else "ddp"
         devices = a.ddp
     else:
         from lightning_ft.callbacks import FailureInjector, LRIntervention

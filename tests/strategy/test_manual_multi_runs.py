@@ -118,3 +118,27 @@ def test_gan_fsdp2_two_ranks_per_replica_identical_exact_ledger(tmp_path, etcd_e
     batches = assert_identical_and_exact(run, steps, 2)
     assert batches == steps  # 2 slots x 8 batches
     assert len(run.finals[0]["digest"]) == 2  # one digest per rank: both ranks' shards compared
+
+
+def test_gan_clip_gradients_clips_the_averaged_gradients_as_lightning_ddp_does(tmp_path, etcd_endpoint):
+    """`self.clip_gradients(opt_d, ...)` before `opt_d.step()`: under DDP the gradients are
+    already averaged there; under ft_hsdp the call is deferred to the averaged gradients
+    (strategy/manual_clip.py). Clipping each replica's local gradients (as before) trained on
+    the mean of clipped gradients and left DDP's losses from the second batch on."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.strategy.runs import SCRIPT
+
+    steps = 16
+    args = ("--gan", "--steps", str(steps), "--clip", "0.01")
+    run = lft_run(tmp_path, etcd_endpoint, *args, replicas=2)
+    assert_identical_and_exact(run, steps, 2)
+    ddp = subprocess.run([sys.executable, SCRIPT, *args, "--ddp", "2"], capture_output=True, text=True, timeout=180,
+                         cwd=str(tmp_path))
+    assert ddp.returncode == 0, ddp.stdout[-2000:] + ddp.stderr[-2000:]
+    ref = [json.loads(l)["loss"] for l in ddp.stdout.splitlines() if l.startswith('{"event": "gan"')]
+    got = [r["loss"] for r in gan_rows(run, 0)]
+    assert len(ref) == len(got) == steps // 2
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-7), (got, ref)
