@@ -10,8 +10,10 @@ Lightning's global step, epochs and step schedulers, goes on from S.
 The data position: a checkpoint that ft_hsdp wrote (ModelCheckpoint under ft_hsdp) carries the
 job's slot cursors (`checkpoint["lightning_ft"]`), so the exactly-once stream continues where it
 stopped. A checkpoint from another strategy (a plain DDP run) has no position in ft_hsdp's slot
-streams (its sampler ordered the data otherwise): every slot starts at cursor S, where a healthy
-ft_hsdp job is after S steps, so data epochs and Lightning's epochs turn at the same step. The
+streams (its sampler ordered the data otherwise): every slot starts at the checkpoint's batch
+count B (B = S with one optimizer; with several, Lightning's loop state counts the batches),
+where a healthy ft_hsdp job is after B batches, so data epochs and Lightning's epochs turn at
+the same step. ft_hsdp's entry records the batch count too. The
 same holds for an ft_hsdp checkpoint of a job with another number of replicas.
 
 A replica started again after the job moved on (a restart re-runs the script, ckpt_path and
@@ -32,7 +34,7 @@ from lightning_ft.coord import keys
 from lightning_ft.replica import data as ledger
 
 KEY = "lightning_ft"
-"""The checkpoint entry ft_hsdp adds: {"step", "replicas", "gen", "cursors": {slot: cursor}}."""
+"""The checkpoint entry ft_hsdp adds: {"step", "replicas", "gen", "batches", "cursors": {slot: cursor}}."""
 
 
 class ResumeError(RuntimeError):
@@ -45,6 +47,10 @@ class ResumePoint:
     cursors: dict[int, int]
     source: str
     """"ft_hsdp" (cursors from the checkpoint) or "foreign" (every slot at `step`)."""
+    batches: int = -1
+    """Committed batches: with several optimizers (manual optimization) `step` counts optimizer
+    steps, and the batch count (slot cursors, epochs, schedulers) is another number: ft_hsdp's
+    entry says it, a foreign checkpoint's loop state counts it; -1: unknown (= step)."""
 
 
 def job_cursors(mgr: Any) -> dict[int, int]:
@@ -59,8 +65,18 @@ def job_cursors(mgr: Any) -> dict[int, int]:
 
 def describe(mgr: Any) -> dict:
     """What ft_hsdp adds to a Lightning checkpoint (written by the writer's rank 0)."""
-    return {"step": mgr.step, "replicas": mgr.R, "gen": mgr.gen,
+    return {"step": mgr.step, "replicas": mgr.R, "gen": mgr.gen, "batches": mgr.batches,
             "cursors": {str(k): v for k, v in job_cursors(mgr).items()}}
+
+
+def _batches(checkpoint: dict, ours: Any) -> int:
+    """The committed batch count a checkpoint records (-1: it does not)."""
+    if isinstance(ours, dict) and "batches" in ours:
+        return int(ours["batches"])
+    try:  # Lightning's loop state: batches completed (manual optimization: no accumulation)
+        return int(checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"])
+    except (KeyError, TypeError, ValueError):
+        return -1
 
 
 def point_of(checkpoint: dict, replicas: int, path: str) -> ResumePoint:
@@ -69,9 +85,10 @@ def point_of(checkpoint: dict, replicas: int, path: str) -> ResumePoint:
                           f"that ModelCheckpoint or trainer.save_checkpoint wrote")
     step = int(checkpoint["global_step"])
     ours = checkpoint.get(KEY)
+    batches = _batches(checkpoint, ours)
     if isinstance(ours, dict) and int(ours.get("replicas", -1)) == replicas and int(ours.get("step", -1)) == step:
-        return ResumePoint(step, {int(s): int(k) for s, k in ours["cursors"].items()}, "ft_hsdp")
-    return ResumePoint(step, {s: step for s in range(replicas)}, "foreign")
+        return ResumePoint(step, {int(s): int(k) for s, k in ours["cursors"].items()}, "ft_hsdp", batches)
+    return ResumePoint(step, {}, "foreign", batches)
 
 
 def _has_dtensors(module: torch.nn.Module) -> bool:
@@ -120,9 +137,14 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
     """Before the first round (every rank): start generation 0 at the checkpoint's step unless the
     job's history has begun. Returns whether this replica starts at the checkpoint's step."""
     decision: Any = None
+    # one optimizer: a step is a batch; several: the checkpoint's batch count (foreign ones without
+    # loop state: the step, as before)
+    batches = point.batches if mgr.multi and point.batches >= 0 else point.step
     if mgr.is_leader:
         rewinds = ledger.read_rewinds(mgr.store, mgr.root)
         commits, _ = mgr.store.get_prefix(keys.commits(mgr.root))
+        if not point.cursors:  # foreign: every slot where a healthy ft_hsdp job is after these batches
+            point.cursors = {s: batches for s in range(mgr.R)}
         mine = {"to": point.step, "cursors": {str(s): k for s, k in sorted(point.cursors.items())}}
         if commits or any(g > 0 for g in rewinds):
             decision = "late"
@@ -133,14 +155,14 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
             ledger.seed_generation(mgr.store, mgr.root, 0, point.step, point.cursors, resumed_from="ckpt_path",
                                    source=point.source)
             decision = "ok"
-    decision = broadcast(decision)
+    decision, point.cursors = broadcast((decision, point.cursors))
     if decision == "late":
         return False
     if decision != "ok":
         raise ResumeError(f"replica {mgr.rid}: this job already started from another checkpoint position "
                           f"({decision}); every replica must resume from the same ckpt_path")
-    mgr.step = mgr.batches = point.step  # batches: right for one optimizer (several: docs, known limits)
-    mgr.cursor = point.cursors.get(mgr.rid, point.step)
+    mgr.step, mgr.batches = point.step, batches
+    mgr.cursor = point.cursors.get(mgr.rid, batches)
     if mgr.is_leader:
         print(f"lightning-ft: replica {mgr.rid} resumes at step {point.step} ({point.source} checkpoint; slot "
               f"cursor {mgr.cursor})", file=sys.stderr, flush=True)

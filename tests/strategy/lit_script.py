@@ -165,7 +165,7 @@ class MLP(L.LightningModule):
     @property
     def data(self) -> Teacher:
         if not hasattr(self, "_data"):
-            self._data = Teacher()
+            self._data = Teacher(self.a.samples)
         return self._data
 
 
@@ -238,6 +238,7 @@ class GAN(MLP):
             print(json.dumps({"event": "gan", "step": self.trainer.global_step,
                               "lrs": [o.param_groups[0]["lr"] for o in self.trainer.optimizers],
                               "loss": float(outputs["loss"] if isinstance(outputs, dict) else outputs),
+                              "epoch": self.current_epoch,
                               "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}), flush=True)
 
 
@@ -245,6 +246,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--samples", type=int, default=1024, help="the train set's size (short epochs: small)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--manual", action="store_true")

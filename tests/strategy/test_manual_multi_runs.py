@@ -142,3 +142,28 @@ def test_gan_clip_gradients_clips_the_averaged_gradients_as_lightning_ddp_does(t
     got = [r["loss"] for r in gan_rows(run, 0)]
     assert len(ref) == len(got) == steps // 2
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-7), (got, ref)
+
+
+def test_gan_fit_from_a_lightning_checkpoint_continues_at_its_batch_count_and_ends_as_the_uninterrupted_run(
+        tmp_path, etcd_endpoint):
+    """trainer.fit(ckpt_path=...) with two optimizers: global_step counts optimizer steps (8 at
+    step=8.ckpt) but the job had trained 4 batches. The resume continues at batch 4 of every slot
+    with both schedules where they were, and ends bitwise where the uninterrupted run ended.
+    Before: the batch count was set to the step (8), which moved epochs and step schedulers."""
+    steps = 16
+    common = ("--gan", "--steps", str(steps), "--steplr", "--samples", "48")  # epochs of 3 batches
+    first = lft_run(tmp_path, etcd_endpoint, *common, "--save-every", "8", "--ckpt-dir", str(tmp_path / "ft"))
+    assert_identical_and_exact(first, steps, 2)
+    run = lft_run(tmp_path, etcd_endpoint, *common, "--ckpt-path", str(tmp_path / "ft" / "step=8.ckpt"))
+    assert run.proc.returncode == 0, ok(run)
+    assert {f["step"] for f in run.finals.values()} == {steps}, ok(run)
+    assert run.ledger.ok and run.ledger.steps == steps - 8, (run.ledger.steps, ok(run))
+    assert {s: sorted(ks) for s, ks in run.ledger.trained.items()} == {0: [4, 5, 6, 7], 1: [4, 5, 6, 7]}
+    for rid in (0, 1):
+        rows = gan_rows(run, rid)
+        assert [r["step"] for r in rows] == [10, 12, 14, 16], rows
+        ref = {r["step"]: r for r in gan_rows(first, rid)}
+        assert [r["epoch"] for r in rows] == [ref[r["step"]]["epoch"] for r in rows] == [1, 1, 2, 2], rows
+        for r in rows:
+            assert r["lrs"] == pytest.approx([lr_d(r["step"] // 2), lr_g(r["step"] // 2)], rel=1e-9), r
+    assert {tuple(f["digest"]) for f in run.finals.values()} == {tuple(first.finals[0]["digest"])}
