@@ -374,6 +374,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
             self._manual_clip = DeferredClip(self.precision_plugin, lambda: self.optimizers)
             extras["clip"] = self._manual_clip
+            if world > 1:
+                from lightning_ft.strategy.sharding import reshard_on_toggle
+
+                reshard_on_toggle(self.lightning_module)
         self.mgr.callbacks = CallbackState(lambda: getattr(self.lightning_module, "_trainer", None), extras)
         resume = os.environ.get("LFT_RESUME")
         if resume:

@@ -36,3 +36,30 @@ def auto_shard(module: torch.nn.Module, mesh: Any, world_size: int,
     if loose:
         raise ShardingError(f"parameters {loose[:5]} live directly on the LightningModule, so the strategy cannot "
                             "fully_shard them; put them in a submodule, or apply fully_shard in configure_model()")
+
+
+def reshard_on_toggle(module: Any) -> None:
+    """FSDP2 and Lightning's `toggle_optimizer` / `untoggle_optimizer` (manual optimization with
+    several optimizers): the toggles set `requires_grad` on the optimizers' (sharded) parameters,
+    but a module FSDP2 keeps unsharded between forwards (a root: `reshard_after_forward` is False
+    for it) goes on using its unsharded parameters, whose `requires_grad` FSDP2 copies only when
+    it unshards. The generator's forward after `toggle_optimizer(opt_g)` then ran on parameters
+    that did not require grad ("element 0 of tensors does not require grad", a GAN with W = 2).
+    After each toggle, reshard every FSDP2 module: its next forward unshards with the new flags
+    (one more all-gather per toggle of a root module)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not fsdp:
+        return
+
+    def then_reshard(fn: Any) -> Any:
+        def toggled(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            for m in fsdp:
+                m.reshard()
+            return out
+        return toggled
+
+    module.toggle_optimizer = then_reshard(module.toggle_optimizer)
+    module.untoggle_optimizer = then_reshard(module.untoggle_optimizer)

@@ -110,11 +110,12 @@ def test_gan_checkpoint_carries_both_optimizers_and_schedulers(tmp_path, etcd_en
 
 def test_gan_fsdp2_two_ranks_per_replica_identical_exact_ledger(tmp_path, etcd_endpoint):
     """W = 2 (FSDP2 shards inside each replica): each optimizer's flat buffer holds its rank's
-    shards. Without toggle_optimizer: under FSDP2 the generator's loss then had no grad_fn
-    (`element 0 of tensors does not require grad`, seen at the first batch; not investigated)."""
+    shards. With toggle_optimizer, as Lightning documents the GAN: before
+    sharding.reshard_on_toggle the generator's loss had no grad_fn at the first batch (`element 0
+    of tensors does not require grad`: FSDP2 kept the root modules' unsharded parameters, with
+    the flags of the discriminator's toggle)."""
     steps = 16
-    run = lft_run(tmp_path, etcd_endpoint, "--gan", "--steps", str(steps), "--steplr", "--no-toggle", replicas=2,
-                  nproc=2)
+    run = lft_run(tmp_path, etcd_endpoint, "--gan", "--steps", str(steps), "--steplr", replicas=2, nproc=2)
     batches = assert_identical_and_exact(run, steps, 2)
     assert batches == steps  # 2 slots x 8 batches
     assert len(run.finals[0]["digest"]) == 2  # one digest per rank: both ranks' shards compared
