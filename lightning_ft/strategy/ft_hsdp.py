@@ -348,7 +348,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                               "manual optimization")
         if self.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
             cfg.lr_intervention = self.lr_intervention
-        self._schedulers = CommittedSchedulers(self.lr_scheduler_configs)
+        self._schedulers = CommittedSchedulers(self.lr_scheduler_configs,
+                                               manual=not self.lightning_module.automatic_optimization)
         world = self.world_size
         # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
         # collectives run on the default group.

@@ -20,6 +20,10 @@ Several optimizers (manual optimization, docs/ARCHITECTURE.md "Manual optimizati
 optimizers"): every optimizer step is a commit; a step scheduler steps in the commits of its own
 optimizer only, and epoch schedulers count batches (the commits that start one), not steps. A
 schedule the program steps by hand (`self.lr_schedulers()`) follows its configured interval.
+Under DDP a manual-optimization program's hand calls are the schedule, whatever the interval
+says, and Lightning's default interval is "epoch": a program that steps such a scheduler every
+batch would get a different schedule here, so its first hand call warns (`manual=True`) and
+says to configure `{"interval": "step"}`.
 
 The state travels with catch-ups and checkpoints (`state_dict` / `load_state_dict`): it is
 always the state after the holder's last commit."""
@@ -29,7 +33,8 @@ from typing import Any, Callable, Sequence
 
 
 class CommittedSchedulers:
-    def __init__(self, configs: Sequence[Any]) -> None:
+    def __init__(self, configs: Sequence[Any], manual: bool = False) -> None:
+        """`manual`: the program uses manual optimization (its `sch.step()` calls are its own)."""
         self.configs = list(configs)
         self._stepwise: list[tuple[Any, Callable]] = []
         """(the scheduler's optimizer, its own `step`)."""
@@ -45,15 +50,24 @@ class CommittedSchedulers:
                 self._stepwise.append((getattr(sch, "optimizer", None), orig))
             else:
                 self._epochly.append(orig)
-            sch.__class__ = self._synced_class(type(sch))
+            sch.__class__ = self._synced_class(type(sch), warn=manual and c.interval != "step")
 
     @staticmethod
-    def _synced_class(cls: type) -> type:
+    def _synced_class(cls: type, warn: bool = False) -> type:
         """A subclass whose `step` does nothing: the commits step it (keeps state_dict() free of
-        wrappers)."""
+        wrappers). `warn`: its first call warns that an epoch schedule is not a hand schedule."""
+        warned: list[bool] = []
 
         def step(sch: Any, *args: Any, **kwargs: Any) -> None:
-            pass
+            if warn and not warned:
+                import warnings
+
+                warned.append(True)
+                warnings.warn(f"ft_hsdp steps LR schedulers itself, at the committed steps or the job's epochs, and "
+                              f"ignores calls of scheduler.step(): {cls.__name__} is configured with interval "
+                              f"'epoch' (Lightning's default), so it steps once per epoch of the job. If your "
+                              f"training_step steps it every batch, return it from configure_optimizers as "
+                              f"{{'scheduler': ..., 'interval': 'step'}}.", stacklevel=2)
 
         return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
 

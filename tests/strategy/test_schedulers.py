@@ -37,3 +37,24 @@ def test_one_optimizer_steps_every_scheduler_at_every_commit():
     cs.committed(1)
     cs.committed(2)
     assert g.param_groups[0]["lr"] == 0.25
+
+
+def test_a_hand_stepped_epoch_schedule_under_manual_optimization_warns_once():
+    """Under DDP a manual-optimization program's sch.step() calls are the schedule; here the
+    configured interval is (Lightning's default is 'epoch'): the first hand call says so."""
+    import warnings
+
+    g = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    d = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    cs = CommittedSchedulers([config(g, "epoch", 0.5), config(d, "step", 0.5)], manual=True)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for c in cs.configs:
+                c.scheduler.step()
+    assert len(got) == 1 and "'interval': 'step'" in str(got[0].message) and "ExponentialLR" in str(got[0].message)
+    auto = CommittedSchedulers([config(g, "epoch", 0.5)])  # automatic: Lightning's own epoch-end calls
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        auto.configs[0].scheduler.step()
+    assert not got
