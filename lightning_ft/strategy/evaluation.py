@@ -3,14 +3,21 @@
 DDP shards evaluation over its ranks and `sync_dist=True` reduces logged metrics over all
 of them. Under ft_hsdp a replica's ranks are one DDP-like world, and the replicas are many:
 
-- `ShardSampler` gives every live replica (the members of the last round) its share of the
-  evaluation set, and every rank of the replica its share of that (padded within the
+- `ShardSampler` gives every live replica (the contributors of the last round) its share of
+  the evaluation set, and every rank of the replica its share of that (padded within the
   replica, as DistributedSampler pads, so that FSDP2's collectives see equal batch counts);
 - `CrossReplicaReducer` reduces a metric over the replicas through etcd: each leader
   writes its replica's value under a key named by (stage, generation, committed step, run,
-  call number), waits for every member (or its failure), and the first leader with a
+  call number), waits for every contributor (or its failure), and the first leader with a
   complete view creates the result with a create-if-absent transaction. Everyone uses the
   stored result, so every replica logs the same value even when one dies midway.
+
+Contributors, not members: a replica that caught up in the last round (lagging) committed its
+step in a catch-up, maybe before its first batch (on_train_start), and its Lightning loop then
+does not evaluate at that step. Waiting for it cost the others `timeout_s` (CI: a replica
+restarted into step 25 of the typical program; the others waited 30 s, the hang guard let
+their leases lapse, and the launcher restarted them). A replica outside the evaluating set
+that evaluates anyway adds no value: it reads the others' result.
 
 The calls line up because every replica evaluates at the same committed steps (Lightning's
 counters follow the job, see FTHSDPStrategy._set_lightning_step) and logs the same metrics
@@ -73,10 +80,14 @@ class CrossReplicaReducer:
         self._members: tuple[tuple[int, int], ...] = ()
 
     def _live(self) -> tuple[tuple[int, int], ...]:
-        """(replica, incarnation) of the members of the last round."""
+        """(replica, incarnation) of the contributors of the last round (its members if none)."""
         mgr = self.mgr
         q = mgr.last_plan.quorum if mgr.last_plan is not None else None
-        return tuple(zip(q.members, q.incarnations, strict=True)) if q is not None else ((mgr.rid, mgr.incarnation),)
+        if q is None:
+            return ((mgr.rid, mgr.incarnation),)
+        incs = dict(zip(q.members, q.incarnations, strict=True))
+        live = tuple((r, incs[r]) for r in q.contributors if r in incs)
+        return live or tuple(incs.items())
 
     def begin(self, stage: str) -> None:
         """An evaluation run starts (same order on every replica)."""
@@ -123,7 +134,9 @@ class CrossReplicaReducer:
 
     def _leader_reduce(self, key: str, mine: list[float], op: str) -> list[float]:
         store = self.mgr.store
-        store.put(f"{key}{self.mgr.rid}", json.dumps(mine).encode())
+        counted = {r for r, _ in self._members}
+        if self.mgr.rid in counted:
+            store.put(f"{key}{self.mgr.rid}", json.dumps(mine).encode())
         result_key = f"{key}result"
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -132,9 +145,11 @@ class CrossReplicaReducer:
                 return json.loads(kv.value)["value"]
             kvs, _ = store.get_prefix(key)
             got = {int(k.key.rsplit("/", 1)[1]): json.loads(k.value) for k in kvs
-                   if k.key.rsplit("/", 1)[1].isdigit()}
+                   if k.key.rsplit("/", 1)[1].isdigit() and int(k.key.rsplit("/", 1)[1]) in counted}
             waiting = [r for r, inc in self._members if r not in got and self._alive(r, inc)]
             if not waiting or time.monotonic() > deadline:
+                if not got:  # we are not counted and no counted replica answered: our own value
+                    got = {self.mgr.rid: mine}
                 vals = [got[r] for r in sorted(got)]
                 value = _combine(vals, op)
                 store.create(result_key, json.dumps({"value": value, "from": sorted(got)}).encode())

@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_ft.config import FTConfig
 from lightning_ft.replica import startup
 from lightning_ft.replica.data import SlotStream
+from lightning_ft.strategy import lightning_compat
 from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
 from lightning_ft.strategy.schedulers import CommittedSchedulers
@@ -239,9 +240,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._fit_started = True
             self._exit_if_finished()
         trainer = self.lightning_module.trainer
-        for lg in trainer.loggers:  # each replica logs to its own directory
-            if hasattr(lg, "_version") and lg._version is None:
-                lg._version = f"replica_{self.rid}"
+        lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
         if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(FTMetrics(self))
         self._route_should_stop(trainer)
@@ -280,21 +279,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _exit_if_finished(self) -> None:
         """A replica (re)started after the job finished leaves before any user hook runs (no
         `setup`, no `on_train_end` on untrained weights)."""
-        from lightning_ft.coord import keys
-        from lightning_ft.coord.runs import current_run
-        from lightning_ft.coord.store import store_from_config
-        from lightning_ft.secret import tag
+        from lightning_ft.replica.ending import finished_record
 
         done = None
         if self.global_rank == 0:
             env = self._renv
-            store = store_from_config(self.cfg.etcd, env.etcd)
-            try:
-                run = current_run(store, self.cfg.etcd.prefix, env.job, tag(self._secret, env.job), env.run_id)
-                kv = store.get(keys.finished(keys.root(self.cfg.etcd.prefix, env.job, run))) if run else None
-                done = kv.value.decode() if kv else None
-            finally:
-                store.close()
+            done = finished_record(self.cfg.etcd, env.job, env.etcd, self._secret, env.run_id)
         if self.world_size > 1:
             box = [done]
             dist.broadcast_object_list(box, src=0)
@@ -310,9 +300,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         # ModelParallelStrategy.setup, without its demand that configure_model parallelizes.
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-        from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
-
         from lightning_ft.strategy.sharding import ShardingError, auto_shard
 
         self.accelerator.setup(trainer)
@@ -321,7 +308,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                        self.world_size, self.shard_layers)
         except ShardingError as e:
             raise FTHSDPError(str(e)) from None
-        _materialize_distributed_module(self.model, self.root_device)
+        lightning_compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -329,7 +316,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
             if self.mgr is None:
                 self._start_replica(trainer)
 
@@ -395,7 +382,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._steplog = StepLog(self.rid, self.incarnation)
         from lightning_ft.strategy.evaluation import CrossReplicaReducer
 
-        self._reducer = CrossReplicaReducer(self.mgr, timeout_s=cfg.etcd.hang_timeout_s)
+        # half the hang guard: a value that never comes must not make this replica look hung
+        self._reducer = CrossReplicaReducer(self.mgr, timeout_s=cfg.etcd.hang_timeout_s / 2)
         self.mgr.start()
         if self.overlap:
             self.mgr.enable_overlap(cfg.ftar.bucket_bytes)
@@ -495,7 +483,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             # The shards follow the live replicas, but Lightning keeps the loader (and its batch
             # count) of the first validation: with fewer replicas it would stop each shard early
             # and evaluate part of the set. Rebuild it at the next validation.
-            self.lightning_module.trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+            lightning_compat.rebuild_val_loader(self.lightning_module.trainer)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -600,7 +588,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         def after_exchange() -> None:  # hooks and clipping on the averaged gradients, identically everywhere
             if self._manual_clip is not None:  # where the training_step asked, as under DDP: before the hooks
                 self._manual_clip.apply(index, optimizer)
-            self.precision_plugin._after_closure(self.lightning_module, optimizer)
+            lightning_compat.after_closure(self.precision_plugin, self.lightning_module, optimizer)
 
         self._extra_losses = []
         res = self.mgr.run_step(lambda plan: closure(), batch=None if cont else k, pending=pending, computed=computed,
@@ -662,8 +650,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             return
         module = self.lightning_module
         trainer = module.trainer
-        self.precision_plugin._clip_gradients(module, self.mgr.stepped_optimizer(), trainer.gradient_clip_val,
-                                              gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+        lightning_compat.clip_as_configured(self.precision_plugin, module, self.mgr.stepped_optimizer(),
+                                            trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
     def _recompute(self, window: list, closure: Callable[[], Any], optimizer: Any) -> Any:
         """Redo the window's forward/backward on the caught-up weights (automatic optimization)."""
@@ -699,29 +687,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         replica, restarted ones included, is at the same epoch and batch position and runs
         validation, epoch ends and `max_epochs` at the same committed steps. An epoch is one
         pass of the slot streams (`steps_per_epoch` committed steps) for the whole job."""
-        fit = self.lightning_module.trainer.fit_loop
-        loop = fit.epoch_loop
-        if self.lightning_module.automatic_optimization:
-            t = loop.automatic_optimization.optim_progress.optimizer.step.total
-        else:
-            t = loop.manual_optimization.optim_step_progress.total
-        t.ready = max(t.ready - t.completed + n, n)
-        t.completed = n
-        loop._batches_that_stepped = n
+        module = self.lightning_module
         spe = self.sampler.steps_per_epoch() if self.sampler is not None else 0
         if not spe:
+            lightning_compat.set_progress(module.trainer, module.automatic_optimization, n)
             return
         done = self.mgr.batches if self.mgr.multi else self.mgr.step  # committed batches
         micro = self._micro_batches()
         pos = done % spe if done % spe or done == 0 else spe  # position within the job's epoch
         lag = 1 if in_batch else 0  # inside a batch, Lightning increments processed/completed after us
-        for tracker, count in ((loop.batch_progress.total, done * micro), (loop.batch_progress.current, pos * micro)):
-            tracker.ready = tracker.started = count
-            tracker.processed = tracker.completed = max(0, count - lag)
-        epoch = (done - 1) // spe if done else 0
-        ep = fit.epoch_progress.current
-        ep.ready = ep.started = epoch + 1
-        ep.processed = ep.completed = epoch
+        lightning_compat.set_progress(module.trainer, module.automatic_optimization, n,
+                                      batches=(done * micro, pos * micro, lag), epoch=(done - 1) // spe if done else 0)
 
     def metrics(self) -> dict[str, float]:
         return metrics(self.mgr, self.num_replicas)

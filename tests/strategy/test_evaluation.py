@@ -12,16 +12,16 @@ from lightning_ft.coord.store import MemoryStore
 from lightning_ft.strategy.evaluation import CrossReplicaReducer
 
 
-def reducer_of_replica_0(others: dict[int, list[float]]) -> CrossReplicaReducer:
+def reducer_of_replica_0(others: dict[int, list[float]], contributors=(0, 1, 2), timeout_s=5.0) -> CrossReplicaReducer:
     """Replica 0's reducer in a round of members 0, 1, 2 whose other values are already stored."""
     root = keys.root("/lft", "ev")
     store = MemoryStore()
     for rid in (1, 2):
         store.put(keys.members(root, rid), json.dumps({"incarnation": 0}).encode())
-    q = SimpleNamespace(members=(0, 1, 2), incarnations=(0, 0, 0))
+    q = SimpleNamespace(members=(0, 1, 2), incarnations=(0, 0, 0), contributors=contributors)
     mgr = SimpleNamespace(rid=0, incarnation=0, gen=0, step=10, root=root, store=store, is_leader=True,
                           last_plan=SimpleNamespace(quorum=q), broadcast=lambda x: x)
-    red = CrossReplicaReducer(mgr, timeout_s=5.0)
+    red = CrossReplicaReducer(mgr, timeout_s=timeout_s)
     red.begin("val")
     for seq, values in enumerate(zip(*others.values(), strict=True)):
         for rid, v in zip(others, values, strict=True):
@@ -58,3 +58,22 @@ def test_sums_of_integers_stay_integers():
     red = reducer_of_replica_0({1: [3.0], 2: [4.0]})
     out = red.reduce(torch.tensor(5), "sum")
     assert out.dtype == torch.int64 and int(out) == 12
+
+
+def test_a_member_that_caught_up_in_the_last_round_is_not_waited_for():
+    """Replica 2 was lagging (a catch-up) in the last round: its Lightning loop may not evaluate
+    at this step (it committed it before its first batch), so the others do not wait for it
+    (before: etcd.hang_timeout_s, and the hang guard then restarted them); the shards cover
+    the set over the contributors."""
+    import time
+
+    red = reducer_of_replica_0({1: [3.0]}, contributors=(0, 1), timeout_s=20.0)
+    assert red.shard() == (0, 2)
+    t0 = time.monotonic()
+    assert float(red.reduce(torch.tensor(1.0), "mean")) == pytest.approx(2.0)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_replica_outside_the_contributors_reads_their_result_and_adds_nothing():
+    red = reducer_of_replica_0({1: [3.0], 2: [5.0]}, contributors=(1, 2))
+    assert float(red.reduce(torch.tensor(100.0), "mean")) == pytest.approx(4.0)
