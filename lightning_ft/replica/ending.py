@@ -164,3 +164,19 @@ def adopt_final(mgr: Any, linger_s: float) -> bool:
               f"{step} in {seconds:.3f} s", flush=True)
         mgr.event("final_adopted", replica=mgr.rid, source=rid, step=step, seconds=round(seconds, 4))
     return True
+
+
+def finished_record(etcd_cfg: Any, job: str, endpoints: str, secret: str, run_id: str = "") -> Optional[str]:
+    """At start-up: the `finished` record of the job's current run (as text), None while it runs
+    (or has no run yet). One etcd connection, closed before returning."""
+    from lightning_ft.coord.runs import current_run
+    from lightning_ft.coord.store import store_from_config
+    from lightning_ft.secret import tag
+
+    store = store_from_config(etcd_cfg, endpoints)
+    try:
+        run = current_run(store, etcd_cfg.prefix, job, tag(secret, job), run_id)
+        kv = store.get(keys.finished(keys.root(etcd_cfg.prefix, job, run))) if run else None
+        return kv.value.decode() if kv else None
+    finally:
+        store.close()

@@ -37,12 +37,12 @@ class CallbackState:
         self._warned: set[str] = set()
 
     def state_dict(self) -> Optional[str]:
-        from lightning.pytorch.trainer import call
+        from lightning_ft.strategy.lightning_compat import callbacks_state_dict
 
         trainer = self._trainer()
         payload: dict[str, Any] = {name: obj.state_dict() for name, obj in self.extras.items()}
         payload = {k: v for k, v in payload.items() if v}
-        states = call._call_callbacks_state_dict(trainer) if trainer is not None else {}
+        states = callbacks_state_dict(trainer) if trainer is not None else {}
         if states:
             payload["callbacks"] = states
         if not payload:
@@ -52,7 +52,7 @@ class CallbackState:
         return base64.b64encode(buf.getvalue()).decode("ascii")
 
     def load_state_dict(self, encoded: str) -> None:
-        from lightning.pytorch.trainer import call
+        from lightning_ft.strategy.lightning_compat import load_callbacks_state
 
         if not encoded:
             return
@@ -70,4 +70,4 @@ class CallbackState:
             obj.load_state_dict(payload.get(name))
         trainer = self._trainer()
         if trainer is not None and isinstance(payload.get("callbacks"), dict):
-            call._call_callbacks_load_state_dict(trainer, {"callbacks": payload["callbacks"]})
+            load_callbacks_state(trainer, payload["callbacks"])

@@ -73,10 +73,9 @@ def _batches(checkpoint: dict, ours: Any) -> int:
     """The committed batch count a checkpoint records (-1: it does not)."""
     if isinstance(ours, dict) and "batches" in ours:
         return int(ours["batches"])
-    try:  # Lightning's loop state: batches completed (manual optimization: no accumulation)
-        return int(checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"])
-    except (KeyError, TypeError, ValueError):
-        return -1
+    from lightning_ft.strategy.lightning_compat import checkpoint_batches
+
+    return checkpoint_batches(checkpoint)  # Lightning's loop state (manual optimization: no accumulation)
 
 
 def point_of(checkpoint: dict, replicas: int, path: str) -> ResumePoint:
@@ -100,8 +99,8 @@ def load(strategy: Any, path: Any, weights_only: Optional[bool], sharded_load: C
     checkpoint directory: ModelParallelStrategy's) into the replica's model and optimizer.
     FSDP2-sharded models (W > 1) use ModelParallelStrategy's loader; a replica of one process
     has plain tensors, which that loader refuses, so it loads them here."""
-    from lightning.fabric.strategies.model_parallel import (_METADATA_FILENAME, _distributed_checkpoint_load,
-                                                            _is_full_checkpoint, _is_sharded_checkpoint)
+    from lightning_ft.strategy.lightning_compat import (METADATA_FILENAME, distributed_checkpoint_load,
+                                                        is_full_checkpoint, is_sharded_checkpoint)
 
     model = strategy.model
     if _has_dtensors(model):
@@ -109,27 +108,27 @@ def load(strategy: Any, path: Any, weights_only: Optional[bool], sharded_load: C
     p = Path(path)
     module = strategy.lightning_module
     strict = module.strict_loading
-    if _is_full_checkpoint(p):
+    if is_full_checkpoint(p):
         checkpoint = torch.load(p, map_location="cpu", weights_only=weights_only)
         module.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
         for opt, state in zip(strategy.optimizers, checkpoint.get("optimizer_states", []), strict=False):
             opt.load_state_dict(state)
         return checkpoint
-    if _is_sharded_checkpoint(p):  # as ModelParallelStrategy loads it, without its demand for DTensors
+    if is_sharded_checkpoint(p):  # as ModelParallelStrategy loads it, without its demand for DTensors
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                              set_optimizer_state_dict)
 
         from lightning_ft.replica.state import materialize_optimizer_state
 
         state = {"state_dict": get_model_state_dict(module)}
-        _distributed_checkpoint_load(state, p)
+        distributed_checkpoint_load(state, p)
         module.load_state_dict(state["state_dict"], strict=strict)
         for i, opt in enumerate(strategy.optimizers):
             materialize_optimizer_state(opt)  # DCP loads into existing tensors
             got = {f"optimizer_{i}": get_optimizer_state_dict(module, opt)}
-            _distributed_checkpoint_load(got, p)
+            distributed_checkpoint_load(got, p)
             set_optimizer_state_dict(module, opt, optim_state_dict=got[f"optimizer_{i}"])
-        return torch.load(p / _METADATA_FILENAME, weights_only=weights_only)
+        return torch.load(p / METADATA_FILENAME, weights_only=weights_only)
     raise ResumeError(f"ckpt_path {str(path)!r} is neither a checkpoint file nor a distributed checkpoint directory")
 
 

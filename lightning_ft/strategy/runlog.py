@@ -82,7 +82,9 @@ class FTMetrics(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not trainer._logger_connector.should_update_logs:
+        from lightning_ft.strategy.lightning_compat import should_update_logs
+
+        if not should_update_logs(trainer):
             return  # logging every step costs milliseconds; loggers only write every n steps
         m: Optional[dict] = metrics(self.strategy.mgr, self.strategy.num_replicas)
         if m:

@@ -24,10 +24,10 @@ import os
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from lightning_ft.launch.environment import SELF_LAUNCH_ENV
+from lightning_ft.strategy.lightning_compat import Launcher
 
 CLI_MODULE = "lightning_ft.launch.cli"
 
@@ -88,7 +88,7 @@ def original_cwd() -> str:
     return os.getcwd()
 
 
-class SelfLauncher(_Launcher):
+class SelfLauncher(Launcher):
     """Lightning's launcher hook for self-launch: `launch` execs `command` and never returns."""
 
     def __init__(self, command: list[str], cwd: str, banner: Callable[[], str]) -> None:
