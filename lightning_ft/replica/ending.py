@@ -63,23 +63,29 @@ def _others(mgr: Any) -> list[tuple[int, Optional[int]]]:
     return out
 
 
+def read_finished(store: Any, root: str) -> Optional[dict]:
+    """The `finished` record ({step, rid, incarnation}; older ones lack the last two), or None."""
+    kv = store.get(keys.finished(root))
+    return json.loads(kv.value) if kv is not None else None
+
+
+def _by_rid(kvs: Any, field: str) -> dict[int, int]:
+    """rid -> int(value[field]) of keys `.../{rid}` holding JSON."""
+    out = {}
+    for kv in kvs:
+        tail = kv.key.rsplit("/", 1)[1]
+        if tail.isdigit():
+            out[int(tail)] = int(json.loads(kv.value)[field])
+    return out
+
+
 def _read(store: Any, root: str) -> tuple[dict[int, int], dict[int, int]]:
     """(done: rid -> step, alive: rid -> live incarnation, evicted ones left out)."""
-    kvs, _ = store.get_prefix(keys.done(root))
-    done = {}
-    for kv in kvs:
-        tail = kv.key.rsplit("/", 1)[1]
-        if tail.isdigit():
-            done[int(tail)] = int(json.loads(kv.value)["step"])
-    kvs, _ = store.get_prefix(keys.alive(root))
-    alive = {}
-    for kv in kvs:
-        tail = kv.key.rsplit("/", 1)[1]
-        if tail.isdigit():
-            inc = int(json.loads(kv.value)["incarnation"])
-            if store.get(keys.evict(root, int(tail), inc)) is None:
-                alive[int(tail)] = inc
-    return done, alive
+    done = _by_rid(store.get_prefix(keys.done(root))[0], "step")
+    alive = _by_rid(store.get_prefix(keys.alive(root))[0], "incarnation")
+    evicts, _ = store.get_prefix(keys.evict(root))
+    evicted = {tuple(int(p) for p in kv.key[len(keys.evict(root)):].split("/")) for kv in evicts}
+    return done, {rid: inc for rid, inc in alive.items() if (rid, inc) not in evicted}
 
 
 def finish(mgr: Any, linger_s: float) -> None:
@@ -94,8 +100,8 @@ def finish(mgr: Any, linger_s: float) -> None:
         mgr.flush_ledger()
         record = json.dumps({"step": mgr.step, "rid": mgr.rid, "incarnation": mgr.incarnation}).encode()
         if not store.create(keys.finished(root), record):
-            kv = store.get(keys.finished(root))  # a replica that finished first: its record stays
-            if kv is not None and int(json.loads(kv.value)["step"]) < mgr.step:
+            first = read_finished(store, root)  # a replica that finished first: its record stays
+            if first is not None and int(first["step"]) < mgr.step:
                 store.put(keys.finished(root), record)
         store.put(keys.done(root, mgr.rid), json.dumps({"step": mgr.step, "incarnation": mgr.incarnation}).encode())
         t0 = time.monotonic()
@@ -119,10 +125,10 @@ def _final_source(mgr: Any) -> Optional[tuple[int, int, list[str]]]:
     """Leader: (the final step, a done replica at it, its ranks' state-server addresses) when
     this replica is behind a finished job it trained in, else None."""
     store, root = mgr.store, mgr.root
-    kv = store.get(keys.finished(root))
-    if kv is None or not mgr.synced:
+    rec = read_finished(store, root)
+    if rec is None or not mgr.synced:
         return None
-    step = int(json.loads(kv.value)["step"])
+    step = int(rec["step"])
     if step <= mgr.step:
         return None
     done, alive = _read(store, root)

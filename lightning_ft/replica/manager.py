@@ -277,10 +277,10 @@ class ReplicaManager:
         self.restart_breakdown: Optional[dict] = None
         """A restarted incarnation's start-up in parts (replica/startup.py), set at its first commit."""
         self.on_state_replaced: Optional[Callable[[StepPlan], None]] = None
+        """Called after a sync or catch-up replaced this rank's state (not after training)."""
         self.callbacks: Any = None
         """The caller's other state a catch-up carries (state_dict() -> str or None,
         load_state_dict(str)): Lightning callbacks' (strategy/callback_state.py)."""
-        """Called after a sync or catch-up replaced this rank's state (not after training)."""
         self.request_stop = False
         """Ask the job to stop (reported with every round until a round carries it)."""
         self.on_retry: Optional[Callable[[StepPlan], None]] = None
@@ -1241,10 +1241,12 @@ class ReplicaManager:
 
     def finished_step(self) -> Optional[int]:
         """The step at which the job finished, or None while it runs. Same answer on every rank."""
+        from lightning_ft.replica.ending import read_finished
+
         step = None
         if self.is_leader:
-            kv = self._store.get(keys.finished(self.root))
-            step = json.loads(kv.value)["step"] if kv else None
+            rec = read_finished(self._store, self.root)
+            step = rec["step"] if rec else None
         return self._broadcast(step)
 
     def on_halt(self) -> None:

@@ -25,6 +25,24 @@ def test_a_finisher_waits_for_the_members_behind_it_that_live(others, done, aliv
     assert pending(30, others, done, alive) == want
 
 
+def test_the_finishers_view_of_etcd_leaves_out_evicted_incarnations():
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.store import MemoryStore
+    from lightning_ft.replica.ending import _read, read_finished
+
+    root = keys.root("/lft", "end")
+    store = MemoryStore()
+    assert read_finished(store, root) is None
+    for rid, inc in ((0, 0), (1, 2), (2, 1)):
+        store.put(keys.alive(root, rid), json.dumps({"incarnation": inc}).encode())
+    store.put(keys.evict(root, 1, 2), b"hung")  # its live incarnation is evicted
+    store.put(keys.evict(root, 2, 0), b"killed")  # an older incarnation's eviction: 2 lives on
+    store.put(keys.done(root, 0), json.dumps({"step": 30, "incarnation": 0}).encode())
+    store.put(keys.finished(root), json.dumps({"step": 30, "rid": 0, "incarnation": 0}).encode())
+    assert _read(store, root) == ({0: 30}, {0: 0, 2: 1})
+    assert read_finished(store, root) == {"step": 30, "rid": 0, "incarnation": 0}
+
+
 def test_members_that_fail_to_commit_the_last_step_end_at_it_with_the_finishers_state(etcd_endpoint, tmp_path):
     """CI saw it in a soak: the last step committed on replica 2 only (replicas 0 and 1 aborted
     it), replica 2 finished, and 0 and 1 left at step 1199 of 1200 without the final state.
