@@ -127,8 +127,16 @@ class Data:
         return self.x[idx], self.y[idx]
 
 
+_EMIT = threading.Lock()
+
+
 def emit(**kw) -> None:
-    print(json.dumps({"t": time.time(), **kw}), flush=True)
+    """One JSON line, written whole: the 'stopping' line comes from a timer thread, and print()
+    writes the text and its newline apart, so two threads could glue two rows on one line."""
+    line = json.dumps({"t": time.time(), **kw}) + "\n"
+    with _EMIT:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def reference(a: argparse.Namespace) -> int:

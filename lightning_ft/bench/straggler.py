@@ -41,12 +41,14 @@ MODEL = ("--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "1", "--ftar-
          "--digest-every", "1")
 
 
-def throttle(job: Job, rid: int, seconds: float, stop_s: float = 0.2, run_s: float = 0.1) -> threading.Thread:
-    """SIGSTOP/SIGCONT replica `rid` in a cycle for `seconds`, from a thread (ends with SIGCONT)."""
+def throttle(job: Job, rid: int, seconds: float, stop_s: float = 0.2, run_s: float = 0.1,
+             release: Optional[threading.Event] = None) -> threading.Thread:
+    """SIGSTOP/SIGCONT replica `rid` in a cycle for `seconds`, or until `release` is set, from a
+    thread (ends with SIGCONT)."""
     def go() -> None:
         end = time.monotonic() + seconds
         try:
-            while time.monotonic() < end:
+            while time.monotonic() < end and not (release is not None and release.is_set()):
                 job.replicas[rid].signal(signal.SIGSTOP)
                 time.sleep(stop_s)
                 job.replicas[rid].signal(signal.SIGCONT)
