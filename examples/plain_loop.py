@@ -205,8 +205,18 @@ def main(argv: list[str]) -> int:
                          digest_every=a.digest_every,
                          run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
                          advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers,
-                         hang_report_after_s=cfg.hang.report_after_s)
-    mgr.start()
+                         hang_report_after_s=cfg.hang.report_after_s, standby=renv.standby)
+    if renv.standby and rank == 0:
+        emit(event="standby", token=renv.standby)
+    try:
+        mgr.start()
+    except JobFinished as e:  # a spare never needed
+        if not renv.standby:
+            raise
+        if rank == 0:
+            emit(event="finished_already", rid=-1, inc=-1, reason=str(e))
+        return 0
+    rid, inc = mgr.rid, mgr.incarnation  # a warm spare learns them when promoted
     schedule = parse_failures(a.failures, R)
     if renv.config:  # launched by `lightning-ft run`: failures come from the job config
         from lightning_ft.launch.failure import FailureSchedule

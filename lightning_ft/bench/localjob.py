@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from lightning_ft.coord import keys
+from lightning_ft.coord import keys, standby
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
@@ -24,20 +24,25 @@ TEST_SECRET = "localjob-test-secret-0123456789"
 
 
 class Replica:
-    def __init__(self, job: "Job", rid: int, inc: int) -> None:
-        self.rid, self.inc = rid, inc
+    def __init__(self, job: "Job", rid: int, inc: int, standby: str = "", spare_env: Optional[dict] = None) -> None:
+        """Replica `rid`'s incarnation `inc`, or (`standby`) a warm spare with that token and
+        `spare_env` (rid and inc are -1 until `Job.promote`)."""
+        self.rid, self.inc, self.standby = rid, inc, standby
         self.procs: list[subprocess.Popen] = []
         port = free_port()
+        who = {"LFT_STANDBY": standby} if standby else {"LFT_REPLICA_ID": str(rid), "LFT_INCARNATION": str(inc)}
+        extra_env = spare_env if standby else job.env.get((rid, inc), {})
         for rank in range(job.world):
-            env = {**os.environ, "LFT_JOB": job.name, "LFT_REPLICA_ID": str(rid), "LFT_NUM_REPLICAS": str(job.R),
-                   "LFT_ETCD": job.etcd, "LFT_SECRET": TEST_SECRET, "LFT_INCARNATION": str(inc),
-                   "LFT_RUN_ID": job.run_id,
+            env = {**os.environ, "LFT_JOB": job.name, **who, "LFT_NUM_REPLICAS": str(job.R),
+                   "LFT_ETCD": job.etcd, "LFT_SECRET": TEST_SECRET, "LFT_RUN_ID": job.run_id,
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                   **job.env.get((rid, inc), {})}
-            log = open(os.path.join(job.log_dir, f"r{rid}.i{inc}.rank{rank}.log"), "w")
+                   **(extra_env or {})}
+            name = f"spare-{standby}" if standby else f"r{rid}.i{inc}"
+            log = open(os.path.join(job.log_dir, f"{name}.rank{rank}.log"), "w")
             env["LFT_SPAWN_T"] = repr(time.time())  # the restart breakdown's zero (replica/startup.py)
-            p = subprocess.Popen([sys.executable, LOOP, *job.args, *job.extra.get((rid, inc), [])], env=env,
+            args = [] if standby else job.extra.get((rid, inc), [])
+            p = subprocess.Popen([sys.executable, LOOP, *job.args, *args], env=env,
                                  stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
             self.procs.append(p)
         assert self.procs[0].stdout is not None  # rank 0 writes into a pipe
@@ -92,6 +97,7 @@ class Job:
         self.env = env or {}
         self.log_dir = str(tmp)
         self.replicas: dict[int, Replica] = {}
+        self.spares: dict[str, Replica] = {}
         self.history: list[Replica] = []
         self.store = EtcdStore(etcd)
         self.run_id = "run0"
@@ -101,6 +107,30 @@ class Job:
         r = Replica(self, rid, inc)
         self.replicas[rid] = r
         self.history.append(r)
+        return r
+
+    def start_spare(self, token: str, env: Optional[dict] = None) -> Replica:
+        """A warm spare (coord/standby.py): it starts up and waits, registered, until promoted."""
+        r = Replica(self, -1, -1, standby=token, spare_env=env)
+        self.spares[token] = r
+        self.history.append(r)
+        return r
+
+    def wait_spare(self, token: str, timeout_s: float) -> None:
+        """Until spare `token` is registered (warm) in etcd."""
+        deadline = time.monotonic() + timeout_s
+        while self.store.get(keys.standby(self.root, token)) is None:
+            assert self.spares[token].alive(), f"spare {token} exited; see {self.log_dir}"
+            assert time.monotonic() < deadline, f"spare {token} did not register within {timeout_s}s"
+            time.sleep(0.02)
+
+    def promote(self, token: str, rid: int) -> Replica:
+        """Spare `token` becomes replica `rid`'s next incarnation (the test plays the supervisor)."""
+        inc = self.replicas[rid].inc + 1 if rid in self.replicas else 0
+        assert standby.promote(self.store, self.root, token, rid, inc), f"spare {token} is gone"
+        r = self.spares.pop(token)
+        r.rid, r.inc = rid, inc
+        self.replicas[rid] = r
         return r
 
     def start_all(self) -> None:

@@ -29,6 +29,10 @@ call these.
     launchers/{name}               a live launcher of this run, bound to its lease
     stall/{rid}                    a leader's exchange waiting past hang.report_after_s: its FTAR
                                    neighbours and link counters, bound to its lease (coord/hang.py)
+    standby/{token}                a warm spare waiting to be promoted: {host, world, since},
+                                   bound to its lease (coord/standby.py)
+    promote/{token}                the replica a spare takes: {rid, incarnation} (create-if-absent,
+                                   by whoever assigns it: the supervisor, a test)
 """
 from __future__ import annotations
 
@@ -146,3 +150,11 @@ def halt(root: str) -> str:
 
 def stall(root: str, rid: int | None = None) -> str:
     return f"{root}stall/" + ("" if rid is None else str(rid))
+
+
+def standby(root: str, token: str | None = None) -> str:
+    return f"{root}standby/" + ("" if token is None else token)
+
+
+def promote(root: str, token: str | None = None) -> str:
+    return f"{root}promote/" + ("" if token is None else token)

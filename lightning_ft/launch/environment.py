@@ -17,6 +17,7 @@ so nothing else reads launcher variables.
 | master address | MASTER_ADDR      | MASTER_ADDR            | MASTER_ADDR, else the first host of SLURM_STEP_NODELIST |
 | master port    | MASTER_PORT      | MASTER_PORT            | MASTER_PORT, else one from SLURM_JOB_ID (below) |
 | run id         | LFT_RUN_ID       | LFT_RUN_ID             | LFT_RUN_ID, else SLURM_JOB_ID |
+| warm spare     | LFT_STANDBY=<token> instead of LFT_REPLICA_ID (all launchers; coord/standby.py) |
 
 torchrun is recognized by TORCHELASTIC_RUN_ID, srun by SLURM_PROCID without RANK. The
 master address and port are the replica's own process group (one per replica), never
@@ -63,6 +64,8 @@ class ReplicaEnv:
     """Path of the job's config YAML (LFT_CONFIG), or ""."""
     launcher: str = "env"
     """"torchrun", "slurm" or "env" (variables set directly, e.g. by `lightning-ft run`)."""
+    standby: str = ""
+    """A warm spare's token (LFT_STANDBY, coord/standby.py): replica_id is -1 until promoted."""
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -79,14 +82,18 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 def replica_env(env: Mapping[str, str]) -> ReplicaEnv:
     """This process's place in the job, from `env` (see the module table)."""
-    missing = [n for n in REQUIRED if not env.get(n)]
+    standby = env.get("LFT_STANDBY", "")
+    missing = [n for n in REQUIRED if not env.get(n) and not (standby and n == "LFT_REPLICA_ID")]
     if missing:
         raise LaunchEnvError(
             f"this process does not know its replica: {', '.join(missing)} not set. Start it with `lightning-ft run "
             f"--replicas R --nproc-per-replica W script.py`, or under torchrun/srun with the variables "
             f"`lightning-ft env --replica-id R ...` prints (README: Multi-node)")
-    rid, R = _int(env, "LFT_REPLICA_ID"), _int(env, "LFT_NUM_REPLICAS")
-    if not 0 <= rid < R:
+    rid, R = _int(env, "LFT_REPLICA_ID", -1 if standby else None), _int(env, "LFT_NUM_REPLICAS")
+    if standby and rid != -1:
+        raise LaunchEnvError(f"LFT_STANDBY={standby!r} is a spare, which takes its replica id when promoted; "
+                             f"unset LFT_REPLICA_ID (it is {rid})")
+    if not standby and not 0 <= rid < R:
         raise LaunchEnvError(f"LFT_REPLICA_ID={rid} is not a replica of this job: it must be between 0 and "
                              f"LFT_NUM_REPLICAS - 1 ({R - 1})")
     base_inc = _int(env, "LFT_INCARNATION", 0)
@@ -116,7 +123,7 @@ def replica_env(env: Mapping[str, str]) -> ReplicaEnv:
     return ReplicaEnv(job=env["LFT_JOB"], replica_id=rid, num_replicas=R, etcd=env["LFT_ETCD"], incarnation=inc,
                       rank=rank, local_rank=local, world_size=world, master_addr=addr, master_port=port,
                       run_dir=env.get("LFT_RUN_DIR", ""), run_id=run_id, config=env.get("LFT_CONFIG", ""),
-                      launcher=launcher)
+                      launcher=launcher, standby=standby)
 
 
 def launcher_variables(env: Mapping[str, str]) -> list[str]:

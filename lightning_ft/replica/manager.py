@@ -166,7 +166,7 @@ class ReplicaManager:
                  checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
                  sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2,
                  run_id: str = "", batch_policy: str = "shrink", stragglers: Any = None,
-                 hang_report_after_s: float = 1.0) -> None:
+                 hang_report_after_s: float = 1.0, standby: str = "") -> None:
         if lr_intervention not in LR_MODES:
             raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
         if batch_policy not in POLICIES:
@@ -186,6 +186,9 @@ class ReplicaManager:
         # Captured now, while FSDP2's parameters are the sharded DTensors (see state.py).
         self._named_params = list(model.named_parameters())
         self.job, self.rid, self.incarnation = job, rid, incarnation
+        self.standby = standby
+        """A warm spare's token (coord/standby.py): `start` waits to be promoted, and takes the
+        replica id and incarnation it is given; "" for a replica."""
         self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
         self.secret = secret
         self._etcd, self._store = etcd, store
@@ -351,13 +354,15 @@ class ReplicaManager:
         from lightning_ft.network import advertised
 
         startup.mark("setup")
-        if self.incarnation > 0 or self.step > 0:
-            # A restarted replica will almost surely catch up: build its optimizer state now,
-            # in the slow init, not on the catch-up's critical path.
+        if self.incarnation > 0 or self.step > 0 or self.standby:
+            # A restarted replica (or a spare) will almost surely catch up: build its optimizer
+            # state now, in the slow init, not on the catch-up's critical path.
             materialize_optimizer_state(self.optimizer)
         if self.is_leader and self._store is None:
             self._store = store_from_config(self._etcd_config, self._etcd)
         host = self._leader_result(lambda: advertised(self.bind_host, self.advertise_host, self._etcd))
+        if self.standby:
+            self._await_promotion(host)
         from lightning_ft import ops
 
         ops.set_num_programs(self.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
@@ -375,6 +380,32 @@ class ReplicaManager:
         self.buckets = self._all_buckets[0]
         self.root, self.gen, self.cursor = self._leader_result(lambda: self._register(addrs))
         startup.mark("registered")
+
+    def _await_promotion(self, host: str, slice_s: float = 5.0) -> None:
+        """A spare: wait (warm) until promoted, then become that replica's incarnation. The leader
+        waits in etcd; with W ranks it hands the outcome on every `slice_s` (None: still
+        waiting), so the replica's process group never sits in one collective for hours."""
+        from lightning_ft.coord.standby import Waiter
+
+        waiter = None
+        if self.is_leader:
+            assert self._store is not None
+            waiter = Waiter(self._store, self.prefix, self.job, secret_tag(self.secret, self.job),
+                            self.spec.fingerprint, self.standby, host=host, world=self.world, run_id=self.run_id,
+                            ttl_s=float(self._coord_kw["lease_ttl_s"]))
+        try:
+            while True:
+                got = self._leader_result(lambda: waiter.wait(slice_s if self.world > 1 else None) if waiter else None)
+                if got is not None:
+                    break
+        finally:
+            if waiter is not None:
+                waiter.close()
+        log.info("standby %s: promoted to replica %d incarnation %d", self.standby, got.rid, got.incarnation)
+        self.rid, self.incarnation, self.run_id = got.rid, got.incarnation, got.run_id
+        self.root = keys.root(self.prefix, self.job, got.run_id)
+        self.standby = ""
+        startup.mark("promoted")
 
     def _register(self, addrs: list) -> tuple[str, int, int]:
         """Leader: join (or start) the job's run, then register with the coordinator."""

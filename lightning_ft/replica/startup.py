@@ -15,6 +15,8 @@ right before they start the process) or, without it, the kernel's start time of 
     caught_up   the first catch-up's bytes verified and applied
     first_step  the first step committed (trained, or caught up) by this incarnation
 
+A warm spare also marks `promoted` (not a part): its breakdown starts there.
+
 A missing mark folds its time into the next one present; parts are never negative (a mark
 earlier than the one before it counts as 0 s), so the parts sum to `total_s`.
 """
@@ -73,6 +75,11 @@ def breakdown(spawn_t: Optional[float], marks: Mapping[str, float], parts: tuple
 
 
 def restart_breakdown(environ: Mapping[str, str] = os.environ) -> dict:
-    """This process's breakdown so far (the event's fields)."""
+    """This process's breakdown so far (the event's fields). A promoted warm spare
+    (coord/standby.py) started up before it was needed: its parts run from the promotion."""
+    if "promoted" in _marks:
+        t0 = _marks["promoted"]
+        after = {k: v for k, v in _marks.items() if k in PARTS[PARTS.index("registered"):]}
+        return {"spawn_t": t0, "standby": True, **breakdown(t0, after)}
     spawn = spawn_time(environ)
     return {"spawn_t": spawn, **breakdown(spawn, _marks)}

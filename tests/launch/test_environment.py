@@ -177,3 +177,14 @@ def test_launcher_variables_tell_a_user_started_process_from_a_launched_one(env,
     from lightning_ft.launch.environment import launcher_variables
 
     assert launcher_variables(env) == seen
+
+
+def test_a_spare_has_a_token_and_no_replica_id_until_promoted():
+    env = {"LFT_JOB": "j", "LFT_NUM_REPLICAS": "3", "LFT_ETCD": "h:1", "LFT_STANDBY": "s0", "RANK": "1",
+           "WORLD_SIZE": "2"}
+    e = replica_env(env)
+    assert (e.standby, e.replica_id, e.rank, e.world_size) == ("s0", -1, 1, 2)
+    with pytest.raises(LaunchEnvError, match="spare"):
+        replica_env({**env, "LFT_REPLICA_ID": "1"})
+    with pytest.raises(LaunchEnvError, match="LFT_REPLICA_ID"):  # without the token it is a replica again
+        replica_env({k: v for k, v in env.items() if k != "LFT_STANDBY"})

@@ -24,20 +24,6 @@ SMALL = ("--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "1", "--ftar-
          "--init-timeout", "30", "--digest-every", "1")
 
 
-@pytest.fixture
-def job_factory(etcd_endpoint, tmp_path):
-    jobs = []
-
-    def make(**kw):
-        j = Job(etcd_endpoint, tmp_path, **kw)
-        jobs.append(j)
-        return j
-
-    yield make
-    for j in jobs:
-        j.close()
-
-
 def digests_by_step(job: Job) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for r in job.history:

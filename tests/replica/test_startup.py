@@ -39,3 +39,13 @@ def test_the_spawn_time_is_the_launchers_else_the_kernels():
 
     own = spawn_time({})  # /proc/self/stat: this test process started before now, today
     assert own is not None and time.time() - 86400 * 30 < own <= time.time()
+
+
+def test_a_promoted_spare_counts_from_its_promotion(monkeypatch):
+    from lightning_ft.replica import startup
+
+    monkeypatch.setattr(startup, "_marks", {"python": 1.0, "torch": 2.0, "setup": 3.0, "promoted": 100.0,
+                                            "registered": 100.5, "caught_up": 101.0, "first_step": 101.25})
+    got = startup.restart_breakdown({"LFT_SPAWN_T": "0.5"})
+    assert got == {"spawn_t": 100.0, "standby": True, "total_s": 1.25,
+                   "parts": {"registered": 0.5, "caught_up": 0.5, "first_step": 0.25}}
