@@ -5,12 +5,15 @@
 One run, one job: steady state, then a SIGKILL of replica 1 (the supervisor's eviction is
 written as soon as the process is reaped), its restart `--restart-delay` after the kill (the
 supervisor's failure.restart_delay_s) and rejoin, then a SIGSTOP of replica
-2 (no eviction: only its lease can expire), SIGCONT and its rejoin. Printed as one JSON line:
+2 (no eviction: only its lease can expire), SIGCONT and its rejoin; then `--standby-kills`
+SIGKILLs (replicas 1 and 2 in turn), each healed by a warm spare (coord/standby.py) started
+beforehand and promoted as soon as the killed one is reaped. Printed as one JSON line:
     {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s",
-     "heal_cold_s", "restart_breakdown": {"total_s", "python", "torch", ...},
-     "catchup_gbps", "catchup_s", "state_mb", ...}
-heal_cold_s runs from the SIGKILL to the first step row (catch-up or train) of the new
-incarnation; restart_breakdown is that incarnation's start-up in parts (replica/startup.py).
+     "heal_cold_s", "heal_standby_s", "heal_standby_all_s", "kill_stall_standby_s",
+     "restart_breakdown": {"total_s", "python", "torch", ...}, "catchup_gbps", "catchup_s", "state_mb", ...}
+heal_cold_s (and each of heal_standby_all_s; heal_standby_s is their median) runs from the
+SIGKILL to the first step row (catch-up or train) of the new incarnation; restart_breakdown
+is the cold incarnation's start-up in parts (replica/startup.py).
 A stall (`_stall`) is the longest gap between committed steps of healthy replica 0 that
 overlaps the event's window, minus the median step time, and never negative: 0 when no gap
 in the window is longer than a median step. The kill's window runs from the SIGKILL to the
@@ -46,6 +49,28 @@ def _stall(rows: list[dict], t0: float, t1: float, step_s: float) -> float:
     vary, and a window whose gaps are all shorter than the median lost nothing (before this
     was clipped, a kill landing in a fast step printed -0.0067 s and -0.0161 s)."""
     return max(0.0, _gap_around(rows, t0, t1) - step_s)
+
+
+def _standby_heal(job: Job, k: int, rid: int, a: argparse.Namespace) -> tuple[float, float]:
+    """A warm spare (coord/standby.py) started and registered; SIGKILL replica `rid`, evict it
+    and promote the spare as soon as it is reaped (what the supervisor does with one). Returns
+    (heal: the kill to the promoted incarnation's first step row, replica 0's kill stall)."""
+    token = f"s{k}"
+    job.start_spare(token)
+    job.wait_spare(token, a.timeout)
+    r0 = job.replicas[0]
+    step_s = statistics.median(x["dt"] for x in r0.steps()[-20:])
+    t_kill = time.time()
+    job.replicas[rid].signal(signal.SIGKILL)
+    job.wait_exit(rid)
+    job.evict(rid, "SIGKILL (bench, standby)")
+    spare = job.promote(token, rid)
+    first = spare.wait_for(lambda x: x.get("event") == "step", a.timeout)
+    back = spare.wait_for(lambda x: x.get("event") == "step" and not x["lag"], a.timeout)
+    r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
+    gone = [x for x in r0.steps() if x["t"] > t_kill and rid not in x["members"]]
+    t_gone = gone[0]["t"] if gone else first["t"]
+    return round(first["t"] - t_kill, 3), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -91,6 +116,7 @@ def run(a: argparse.Namespace) -> dict:
                                             a.timeout)
             r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > lag2["t"] + 1, a.timeout)
             rows = r0.steps()
+            heals = [_standby_heal(job, k, 1 + k % 2, a) for k in range(a.standby_kills)]
             return {
                 "bench": "recovery", "replicas": 3, "ttl_s": a.ttl, "state_mb": round(lag1["state_mb"], 1),
                 "step_s": round(step_s, 4),
@@ -99,6 +125,9 @@ def run(a: argparse.Namespace) -> dict:
                 "rejoin_stall_s": round(max(0.0, rejoin_row["dt"] - step_s), 4),
                 "rejoin_step_s": round(rejoin_row["dt"], 4),
                 "heal_cold_s": round(first1["t"] - t_kill, 3),
+                "heal_standby_s": round(statistics.median(h for h, _ in heals), 3) if heals else None,
+                "heal_standby_all_s": [h for h, _ in heals],
+                "kill_stall_standby_s": [st for _, st in heals],
                 "restart_delay_s": a.restart_delay,
                 "restart_breakdown": {"total_s": breakdown["total_s"], **breakdown["parts"]},
                 "catchup_gbps": round(lag1["catchup_gbps"], 3),
@@ -119,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-delay", type=float, default=0.2,
                    help="seconds from the kill to the restart (failure.restart_delay_s's default)")
     p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--standby-kills", type=int, default=0,
+                   help="then this many SIGKILLs healed by a warm spare each (heal_standby_s: their median). "
+                        "With --quick's 4 ms steps a promoted spare can wait 10-30 s (docs/ARCHITECTURE.md, "
+                        "'Warm standby', the open race); measure it with --step-sleep 0.02 or the default model")
     a = p.parse_args(argv)
     print(json.dumps(run(a)), flush=True)
     return 0

@@ -279,13 +279,17 @@ class Coordinator:
                 self.changed = True  # a joiner: take it in at the next round
         elif parts[0] == "members" and len(parts) == 2:  # the decider's watch only
             rid = int(parts[1])
+            report = Report.from_json(ev.value) if ev.kind == "put" else None
             with self._dead_lock:
-                if ev.kind == "delete":
+                if report is None:
                     self._reports.pop(rid, None)
                 else:
-                    self._reports[rid] = Report.from_json(ev.value)
-            if ev.kind == "put" and rid != self.rid and q is not None and rid not in q.members:
-                self.changed = True  # a joiner still reporting (left out of a round): take it in
+                    self._reports[rid] = report
+            if report is not None and rid != self.rid and q is not None and (
+                    rid not in q.members or report.incarnation != q.incarnations[q.members.index(rid)]):
+                # a joiner still reporting (left out of a round), or a new incarnation of a member
+                # (a warm spare promoted before the old one's lease lapsed): take it in
+                self.changed = True
         self._wake.set()
         if failed and failed[0] != self.rid and self.on_failure is not None:
             self.on_failure(*failed)
