@@ -644,7 +644,7 @@ def _type_name(tp: Any) -> str:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
     if dataclasses.is_dataclass(tp):
         names = ", ".join(f.name for f in dataclasses.fields(tp))
-        return f"{tp.__name__} (a mapping with keys {names})"
+        return f"{cast(type, tp).__name__} (a mapping with keys {names})"
     return getattr(tp, "__name__", str(tp))
 
 

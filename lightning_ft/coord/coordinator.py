@@ -133,6 +133,13 @@ class Coordinator:
     def root(self) -> str:
         return self._root
 
+    @property
+    def _own_report(self) -> Report:
+        """Our member report (set by `register`)."""
+        if self._report is None:
+            raise RuntimeError(f"replica {self.rid}: no member report before register()")
+        return self._report
+
     def _round_key(self, round: int) -> str:
         return keys.quorum(self._root, round)
 
@@ -209,7 +216,7 @@ class Coordinator:
         self.store.put(keys.alive(self._root, self.rid), json.dumps({"incarnation": self.incarnation}).encode(),
                        lease=self._lease)
         key = keys.members(self._root, self.rid)
-        self.store.put(key, self._report.to_json(), lease=self._lease)
+        self.store.put(key, self._own_report.to_json(), lease=self._lease)
         kv = self.store.get(key)
         self._member_created = kv.create_revision if kv is not None else 0
 
@@ -324,6 +331,7 @@ class Coordinator:
     def addresses(self, rid: int, incarnation: int) -> Optional[Addresses]:
         """(FTAR, state-server) addresses of every rank of (rid, incarnation), read once while
         it lives; None when it has none in etcd (it died or left)."""
+        assert self.book is not None, "addresses() before register()"
         return self.book.get(rid, incarnation)
 
     def evict(self, rid: int, incarnation: int, reason: str) -> None:
@@ -352,8 +360,8 @@ class Coordinator:
         state.setdefault("digest", "")
         state.setdefault("digest_step", -1)
         state.setdefault("blame", ())
-        self._report = replace(self._report, ring_ok=ring_ok,
-                               cursor=self._report.cursor if cursor is None else cursor, **state)
+        self._report = replace(self._own_report, ring_ok=ring_ok,
+                               cursor=self._own_report.cursor if cursor is None else cursor, **state)
         self._publish(step, self._next_round)
         started = last_get = self._clock()
         last_eval = started
@@ -365,7 +373,7 @@ class Coordinator:
             self._wake.clear()
             if self._lease_lost.is_set():
                 self._recover_lease()
-            round = self._report.round
+            round = self._own_report.round
             now = self._clock()
             raw = self._decisions.get(round)
             if raw is None and (first or now - last_get >= self._slow_poll_s):
@@ -386,7 +394,9 @@ class Coordinator:
                     if self.store.create(self._round_key(round), raw):
                         self._decided(round, decision)
                     else:  # someone else decided first: theirs stands
-                        raw = self.store.get(self._round_key(round)).value
+                        kv = self.store.get(self._round_key(round))
+                        assert kv is not None  # the create failed: the round's key exists
+                        raw = kv.value
             first = False
             if raw is not None:
                 if raw.startswith(b'{"halt"'):
@@ -415,7 +425,7 @@ class Coordinator:
             self._before_steady = self._current
         self._current = q
         self._next_round = q.round + 1
-        self._report = replace(self._report, round=q.round, step=q.max_step)
+        self._report = replace(self._own_report, round=q.round, step=q.max_step)
 
     def retract_steady(self) -> None:
         """Our steady round failed (a member went to a full round and aborted the ring, or a
@@ -436,7 +446,7 @@ class Coordinator:
             return  # the round is recorded as the steady round that failed: it is over, go on to the next
         self._current = self._before_steady
         self._next_round = q.round
-        self._report = replace(self._report, round=q.round - 1, step=self._before_steady.max_step)
+        self._report = replace(self._own_report, round=q.round - 1, step=self._before_steady.max_step)
 
     def record_steady(self, q: Quorum) -> None:
         """Store a steady round's quorum (create-if-absent, so a full decision of the same round
@@ -467,15 +477,15 @@ class Coordinator:
         in after `fallback_s` (or at once at round 0), which is safe: creation is a CAS."""
         q = self._current
         if q is None:
-            return self._report.round == 0 or waited_s >= self._fallback_s
+            return self._own_report.round == 0 or waited_s >= self._fallback_s
         with self._dead_lock:
             alive = [r for r, i in zip(q.members, q.incarnations, strict=True) if (r, i) not in self._dead]
         return not alive or alive[0] == self.rid or waited_s >= self._fallback_s
 
     def _publish(self, step: int, round: int) -> None:
-        self._report = replace(self._report, step=step, round=round)
+        self._report = replace(self._own_report, step=step, round=round)
         try:
-            self.store.put(keys.members(self._root, self.rid), self._report.to_json(), lease=self._lease)
+            self.store.put(keys.members(self._root, self.rid), self._own_report.to_json(), lease=self._lease)
         except LeaseExpired:
             self._recover_lease()
 
@@ -485,7 +495,7 @@ class Coordinator:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted while its lease lapsed; "
                           "exiting so the supervisor restarts it")
         log.warning("replica %d: lease lapsed; re-registering as a joiner", self.rid)
-        self._report = replace(self._report, round=max(self._report.round, self._latest_round() + 1))
+        self._report = replace(self._own_report, round=max(self._own_report.round, self._latest_round() + 1))
         self._grant_and_publish()
 
     def latest_quorum(self) -> Optional[Quorum]:
@@ -510,6 +520,7 @@ class Coordinator:
         for kv in evicts:
             _, rid, inc = kv.key[len(self._root):].split("/")
             evicted.add((int(rid), int(inc)))
+        previous: Optional[Quorum]
         if self._current is not None and self._current.round == round - 1:
             previous = self._current  # ours, possibly a steady round not yet recorded in etcd
         else:
@@ -551,6 +562,7 @@ class Coordinator:
             self.store.put(keys.halt(self._root), json.dumps({"reason": decision.halt, "round": round}).encode())
             self._emit("halt", round=round, reason=decision.halt)
             return
+        assert q is not None  # the round was decided (quorum): the caller wrote no halt
         for rid, (mine, majority) in decision.diverged.items():
             self._emit("diverged", replica=rid, step=q.max_step, digest=mine, majority=majority, round=round)
         for rid, ratio in sorted(decision.stragglers.items()):

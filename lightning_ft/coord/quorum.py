@@ -416,6 +416,7 @@ def compute_quorum(
     top = max(usable.values(), default=-1)
     kind, rewind, notes = TRAIN, None, []
     stale: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
+    contributors: tuple[int, ...]
     if top < history.committed_step:
         bad = {s for r in members for s in valid[r].bad_checkpoints}
         ckpts = sorted((s, p) for s, p in history.checkpoints if s <= history.committed_step and s not in bad)

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 
@@ -287,7 +287,8 @@ class FTAR:
                         aborted = self._broken
                         self._broken = self._broken or e
                     if aborted is not None and aborted is not e:  # say why we were interrupted
-                        e = RecoverableError(e.peer, f"{aborted.reason}; {e.reason}")
+                        # during an all-reduce only abort() sets _broken: a RecoverableError
+                        e = RecoverableError(e.peer, f"{cast(RecoverableError, aborted).reason}; {e.reason}")
                     # Close our links now, so that the neighbours fail at once instead of at
                     # their timeouts; the next reconfigure builds new ones.
                     self.transport.abort(f"the all-reduce failed: {e}")
@@ -411,8 +412,9 @@ class FTAR:
                 want = self._header(ring, flat, p, s, j, c.numel * es)
                 recv = rx.recv(want, timeout).view(dt)[:c.numel]
                 nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
-                out = tx.reserve(nxt, timeout).view(dt)[:c.numel] if forward else None
+                out = tx.reserve(nxt, timeout).view(dt)[:c.numel] if nxt is not None else None
                 if st.phase == "rs":  # always forwards (all-gather follows)
+                    assert out is not None
                     if st.last_rs and divisor is not None:
                         ops.reduce_(out, recv, user)
                         ops.scale_(out, divisor)
@@ -421,10 +423,10 @@ class FTAR:
                         ops.reduce_(out, recv, user, out2=user if st.last_rs else None)
                 else:
                     ops.copy_(user, recv)
-                    if forward:
+                    if out is not None:  # forward
                         ops.copy_(out, recv)
                 rx.release(want)
-                if forward:
+                if nxt is not None:  # forward
                     tx.post(nxt, self.timeout_s)
 
     # -- the device path ----------------------------------------------------------------------------
@@ -530,10 +532,11 @@ class FTAR:
                         k.copy_(user, out)
                     else:
                         k.reduce_(out, recv, user, out2=user if step.last_rs else None)
+                    assert nxt is not None
                     st.send_device(tx, nxt, staged, self.timeout_s)
                 else:
                     k.copy_(user, recv)  # unpack
-                    if forward:
+                    if nxt is not None:  # forward
                         st.send_host(tx, nxt, host, staged, self.timeout_s)
 
     def _mismatch(self, got: ChunkHeader, want: ChunkHeader) -> None:

@@ -39,6 +39,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from lightning_ft.hydra import AppConfig
 
 
@@ -306,7 +308,7 @@ def _split_run_args(a: argparse.Namespace) -> tuple[list[str], list[str], AppCon
     return split.ft_overrides, split.script_args, app
 
 
-def _status_table(sup) -> "object":
+def _status_table(sup) -> Table:
     from rich.table import Table
 
     t = Table(title="lightning-ft")
@@ -330,15 +332,13 @@ def _compute_cell(st: dict) -> str:
 def _run_with_status(sup, timeout_s, stop) -> int:
     from rich.live import Live
 
-    box = {"rc": None}
-
     def until() -> bool:
         live.update(_status_table(sup))
         return stop()
 
     with Live(_status_table(sup), refresh_per_second=4) as live:
-        box["rc"] = sup.run(until=until, timeout_s=timeout_s, poll_s=0.25)
-    return box["rc"]
+        rc: int = sup.run(until=until, timeout_s=timeout_s, poll_s=0.25)
+    return rc
 
 
 def _print_summary(sup, rc: int) -> None:

@@ -63,13 +63,14 @@ off fetches of the previous publication.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import secrets
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -79,6 +80,9 @@ from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, MAX_SK
                                                _LEN, CatchupError, Part, bytes_of, check_meta, pieces,
                                                request_tag, response_macs, spec_of)
 from lightning_ft.threads import Thread
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["CatchupError", "StateServer", "check_meta", "fetch_state", "SEND_CHUNK", "RECV_CHUNK", "STREAMS"]
 
@@ -147,7 +151,8 @@ class _Fetch:
         fetch_id = secrets.token_hex(8)
         self.streams = [_Stream(Part(fetch_id, i, n)) for i in range(n)]
         self.names = list(into)
-        self.views = [memoryview(bytes_of(t).numpy()) for t in into.values()]
+        # cast: numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12
+        self.views = [memoryview(cast("Buffer", bytes_of(t).numpy())) for t in into.values()]
         self.sizes = [len(v) for v in self.views]
         self.written = False
         """Some tensor bytes may have been written into `into`."""
@@ -170,7 +175,8 @@ class _Fetch:
                 meta = check_meta(meta, self.param_groups)
             self._each(self._read)
             for s in self.streams:
-                self._guard(lambda s=s: s.sock.sendall(ACK))
+                assert s.sock is not None  # _open connected every part
+                self._guard(functools.partial(s.sock.sendall, ACK))
         finally:
             for s in self.streams:
                 if s.sock is not None:
@@ -246,6 +252,7 @@ class _Fetch:
 
     def _read(self, s: _Stream) -> None:
         """Read the part's bytes into the tensors, then verify its body MAC."""
+        assert s.body is not None and s.mac is not None  # _open set them
         s.lo, s.hi = s.part.range(sum(self.sizes))
         if s.body.remaining != s.hi - s.lo + MAC_BYTES:
             raise CatchupError(f"{self.where} failed: part {s.part.index}/{s.part.count} announces "

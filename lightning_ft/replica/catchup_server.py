@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -19,6 +19,9 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_SKEW_S, SEND_CHUNK, _LEN, Part, bytes_of, log,
                                                pieces, request_tag, response_macs, spec_of)
 from lightning_ft.threads import Thread
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 @dataclass(eq=False)
@@ -89,6 +92,7 @@ class StateServer:
         self._httpd = ThreadingHTTPServer((bind_host, 0), _make_handler(self))
         self._httpd.daemon_threads = True
         host, port = self._httpd.server_address[:2]
+        assert isinstance(host, str)  # getsockname() of an AF_INET socket
         self.address = f"{host}:{port}"
         self._thread = Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True,
                               name=f"catchup-{self.address}")
@@ -97,13 +101,15 @@ class StateServer:
     # -- owner side (training thread) ------------------------------------------------------------
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor], meta: dict,
-                expected: set[str] = frozenset()) -> None:
+                expected: set[str] | frozenset[str] = frozenset()) -> None:
         """Serve `tensors` (live references, not copied) and `meta` (encoded now) as `version`.
         Device (CUDA) tensors are copied to host memory now: the bytes served are this version's."""
         tensors = {n: t.detach().to("cpu") if t.device.type != "cpu" else t for n, t in tensors.items()}
         specs = [spec_of(n, t) for n, t in tensors.items()]
-        buffers = [memoryview(bytes_of(t).numpy()) if s["nbytes"] else memoryview(b"")
-                   for s, t in zip(specs, tensors.values(), strict=True)]
+        # cast: numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12
+        buffers: list[Optional[memoryview]] = [
+            memoryview(cast("Buffer", bytes_of(t).numpy())) if s["nbytes"] else memoryview(b"")
+            for s, t in zip(specs, tensors.values(), strict=True)]
         # "publication" tells the parts of one fetch apart from those of a republished version
         body = json.dumps({"version": int(version), "publication": secrets.token_hex(8), "meta": meta,
                            "tensors": specs}).encode()
@@ -126,9 +132,11 @@ class StateServer:
                 keep = self._still_needed(pub)
                 cloned = 0
                 for i, buf in enumerate(pub.buffers):
+                    assert buf is not None  # only freeze drops buffers, once per publication (pub.frozen)
                     if i in keep and len(buf):
                         # torch's copy releases the GIL and uses the intra-op threads; the array keeps the clone alive
-                        pub.buffers[i] = memoryview(torch.frombuffer(buf, dtype=torch.uint8).clone().numpy())
+                        clone = torch.frombuffer(buf, dtype=torch.uint8).clone().numpy()
+                        pub.buffers[i] = memoryview(cast("Buffer", clone))
                         cloned += len(buf)
                     elif len(buf):
                         pub.buffers[i] = None
@@ -223,7 +231,7 @@ class StateServer:
                 send.pos += hi - lo
                 self._cond.notify_all()
 
-    def _serve(self, send: _Send, nonce: str, start: Callable[[bytes, int], None], write: Callable[[bytes], None],
+    def _serve(self, send: _Send, nonce: str, start: Callable[[bytes, int], None], write: Callable[[bytes], object],
                read_ack: Callable[[], bytes]) -> None:
         """Start the response (header and its MAC), send the part's tensor bytes in SEND_CHUNK
         pieces, then the body MAC; the part counts once the fetcher acknowledges it, and the

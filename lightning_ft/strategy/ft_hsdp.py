@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,11 @@ from lightning_ft.strategy import lightning_compat
 from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
 from lightning_ft.strategy.schedulers import CommittedSchedulers
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+    from lightning_ft.strategy.streaming import StreamLoader
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +116,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._pending: Any = None
         self.cfg: Optional[FTConfig] = None
         self.mgr: Any = None
-        self.sampler: Optional[FTBatchSampler] = None
+        self.sampler: Optional[Union[FTBatchSampler, StreamLoader]] = None
         self._window: list[tuple[tuple[int, int], Any, int]] = []
         self._batch: Optional[list] = None
         """Several optimizers: [the batch's window, still ours to step]."""
@@ -150,7 +155,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def incarnation(self) -> int:
         return self._renv.incarnation
 
-    @property  # type: ignore[override]
+    @property
+    def _module(self) -> LightningModule:
+        """The LightningModule (Lightning attaches it before any hook that reads it)."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("ft_hsdp: no LightningModule is attached to the strategy")
+        return module
+
+    @property
     def parallel_devices(self) -> Optional[list[torch.device]]:
         return self._ft_devices
 
@@ -236,10 +249,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
             init_torchrun_group(self._renv, self._get_process_group_backend(),
                                 self._timeout.total_seconds() if self._timeout else 1800.0)
         super().setup_environment()
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
+        if self._module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
             self._fit_started = True
             self._exit_if_finished()
-        trainer = self.lightning_module.trainer
+        trainer: Any = self._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
         lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
         if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(FTMetrics(self))
@@ -283,6 +296,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
         done = None
         if self.global_rank == 0:
+            assert self.cfg is not None  # setup_environment loaded it
             env = self._renv
             done = finished_record(self.cfg.etcd, env.job, env.etcd, self._secret, env.run_id)
         if self.world_size > 1:
@@ -302,12 +316,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
         # ModelParallelStrategy.setup, without its demand that configure_model parallelizes.
         from lightning_ft.strategy.sharding import ShardingError, auto_shard
 
+        assert self.accelerator is not None
         self.accelerator.setup(trainer)
         try:
-            auto_shard(self.lightning_module, self.device_mesh["data_parallel"] if self.world_size > 1 else None,
+            auto_shard(self._module, self.device_mesh["data_parallel"] if self.world_size > 1 else None,
                        self.world_size, self.shard_layers)
         except ShardingError as e:
             raise FTHSDPError(str(e)) from None
+        assert self.model is not None
         lightning_compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -324,19 +340,20 @@ class FTHSDPStrategy(ModelParallelStrategy):
         from lightning_ft.config import checkpoint_dir
         from lightning_ft.replica.manager import ReplicaManager
 
-        if len(self.optimizers) != 1 and (self.lightning_module.automatic_optimization or not self.optimizers):
+        if len(self.optimizers) != 1 and (self._module.automatic_optimization or not self.optimizers):
             raise FTHSDPError(f"ft_hsdp steps one optimizer per batch under automatic optimization (several need "
                               f"manual optimization, as under DDP); configure_optimizers returned "
                               f"{len(self.optimizers)}")
         cfg = self.cfg
-        if cfg.batch_policy == "constant" and not self.lightning_module.automatic_optimization:
+        assert cfg is not None  # setup_environment loaded it
+        if cfg.batch_policy == "constant" and not self._module.automatic_optimization:
             raise FTHSDPError("batch_policy=constant trains absent replicas' batches with the LightningModule's "
                               "training_step, which needs automatic optimization; use batch_policy=shrink with "
                               "manual optimization")
         if self.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
             cfg.lr_intervention = self.lr_intervention
         self._schedulers = CommittedSchedulers(self.lr_scheduler_configs,
-                                               manual=not self.lightning_module.automatic_optimization)
+                                               manual=not self._module.automatic_optimization)
         world = self.world_size
         # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
         # collectives run on the default group.
@@ -345,7 +362,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
         try:  # several (manual optimization): every optimizer.step() is a round (quorum rule 15)
             self.mgr = ReplicaManager.from_config(
-                self.lightning_module, list(self.optimizers), cfg, job=self._renv.job, rid=self.rid,
+                # from_config's annotation says one Optimizer; the manager takes the list (replica/optimizers.py)
+                self._module, list(self.optimizers), cfg, job=self._renv.job, rid=self.rid,  # type: ignore[arg-type]
                 incarnation=self.incarnation, num_replicas=self.num_replicas, secret=self._secret,
                 etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
                 run_dir=self._renv.run_dir, run_id=self._renv.run_id)
@@ -357,7 +375,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         from lightning_ft.strategy.callback_state import CallbackState
 
         extras: dict[str, Any] = {}
-        if not self.lightning_module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
+        if not self._module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
             from lightning_ft.strategy.manual_clip import DeferredClip
 
             self._manual_clip = DeferredClip(self.precision_plugin, lambda: self.optimizers)
@@ -396,13 +414,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 self._schedulers.committed(mgr.batches, optimizer=mgr.stepped_optimizer(plan), new_batch=not plan.cont)
             else:
                 self._schedulers.committed(mgr.step)
-        if hasattr(self.sampler, "committed"):  # a stream loader records its state at the new cursor
+        if self.sampler is not None and hasattr(self.sampler, "committed"):
+            # a stream loader records its state at the new cursor
             self.sampler.committed(self.mgr.step, self.mgr.cursor)
 
     # -- data: exactly-once batches -----------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         if self.mgr is None or not isinstance(dataloader, DataLoader):
             return dataloader
         if not trainer.training:
@@ -413,8 +432,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if bs is None:
             raise FTHSDPError("the train DataLoader must set batch_size (per process); ft_hsdp builds the batches")
         n = self._micro_batches()
+        assert self.cfg is not None and self._schedulers is not None  # set up with the manager
         seed = self._data_seed if self._data_seed is not None else int(self.cfg.seed)
-        stream = SlotStream(len(dataloader.dataset), bs * self.world_size * n, self.num_replicas, seed=seed)
+        # ignore: torch's Dataset declares no __len__; a map-style dataset has one
+        stream = SlotStream(len(dataloader.dataset), bs * self.world_size * n,  # type: ignore[arg-type]
+                            self.num_replicas, seed=seed)
         if stream.num_samples // stream.batch_size < self.num_replicas:
             raise FTHSDPError(f"{stream.num_samples} samples make fewer than one batch of {stream.batch_size} per "
                               f"replica for {self.num_replicas} replicas")
@@ -433,7 +455,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         from lightning_ft.config import loader_state_dir
         from lightning_ft.strategy.streaming import StreamDataError, stream_loader
 
-        if hasattr(self.sampler, "close"):
+        if self.sampler is not None and hasattr(self.sampler, "close"):
             self.sampler.close()
         try:
             self.sampler = stream_loader(dataloader, cfg=self.cfg, slot=self.rid, rank=self.global_rank,
@@ -441,6 +463,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                          cursor=lambda: self.mgr.cursor, state_root=loader_state_dir(self.cfg))
         except StreamDataError as e:
             raise FTHSDPError(str(e)) from None
+        assert self._schedulers is not None  # set up with the manager
         self._schedulers.steps_per_epoch = 0
         return self.sampler
 
@@ -461,7 +484,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             i, k = self._reducer.shard()
             return i, k, self.global_rank, self.world_size
 
-        sampler = ShardSampler(len(dataloader.dataset), shard)
+        sampler = ShardSampler(len(dataloader.dataset), shard)  # type: ignore[arg-type]  # Dataset: no __len__ declared
         return DataLoader(dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
                           num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
                           pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
@@ -473,7 +496,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self.mgr is not None:
-            self._reducer.begin("sanity" if self.lightning_module.trainer.sanity_checking else "val")
+            self._reducer.begin("sanity" if self._module.trainer.sanity_checking else "val")
 
     @override
     def on_validation_end(self) -> None:
@@ -483,7 +506,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             # The shards follow the live replicas, but Lightning keeps the loader (and its batch
             # count) of the first validation: with fewer replicas it would stop each shard early
             # and evaluate part of the set. Rebuild it at the next validation.
-            lightning_compat.rebuild_val_loader(self.lightning_module.trainer)
+            lightning_compat.rebuild_val_loader(self._module.trainer)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -514,8 +537,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 self._reducer.end()
 
     def _micro_batches(self) -> int:
-        trainer = self.lightning_module.trainer
-        return trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+        trainer = self._module.trainer
+        return trainer.accumulate_grad_batches if self._module.automatic_optimization else 1
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -526,7 +549,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
                               "loader must be the one the strategy installs (no custom data fetching)")
         self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
-        self._position = tuple(self._window[-1][0][:2])
+        self._position = self._window[-1][0][:2]
         if (self.overlap and self._pending is None and len(self._window) == self._micro_batches()
                 and not self.mgr.multi):  # several optimizers: which one steps first is known at its step
             # This batch's backward completes the step: run the quorum meanwhile and let the
@@ -559,7 +582,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.mgr is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        auto = self.lightning_module.automatic_optimization
+        auto = self._module.automatic_optimization
         cont, index = False, 0
         if self.mgr.multi:
             index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
@@ -599,6 +622,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                        else None),
                                 phase=(index, cont) if self.mgr.multi else None)
         if self.mgr.multi and not res.trained:
+            assert self._batch is not None  # _batch_window set it (no window otherwise)
             self._batch[1] = False  # others trained this batch, or its rest: skip its remaining steps
         if self._manual_clip is not None:
             self._manual_clip.stepped(index, res.trained)
@@ -606,11 +630,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if res.trained and self._extra_losses and res.loss is not None:  # the mean over the slots we trained
             res.loss = (float(res.loss) + sum(self._extra_losses)) / (1 + len(self._extra_losses))
         if res.stale:  # a rewind moved the slot's cursor back: restart the loader there
+            assert self.sampler is not None  # on_train_batch_start checked it
             self.sampler.restart()
         plan = self.mgr.last_plan
         if plan is not None and plan.quorum.stop and res.committed:
             self.stop_agreed = True  # the job decided to stop at this step: every replica stops now
-            self.lightning_module.trainer.should_stop = True
+            self._module.trainer.should_stop = True
         if auto and not res.trained and not computed:  # Lightning still wants the closure's result
             closure()
             optimizer.zero_grad(set_to_none=True)
@@ -648,7 +673,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             opt = self.mgr.stepped_optimizer()
             self._manual_clip.catch_up(self._manual_clip.index(opt), opt)
             return
-        module = self.lightning_module
+        module = self._module
         trainer = module.trainer
         lightning_compat.clip_as_configured(self.precision_plugin, module, self.mgr.stepped_optimizer(),
                                             trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
@@ -659,7 +684,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         optimizer.zero_grad(set_to_none=True)
         n = len(window)
         for _, batch, batch_idx in window[:-1]:
-            out = self.training_step(batch, batch_idx)
+            out: Any = self.training_step(batch, batch_idx)  # under automatic optimization: the loss, or a dict with it
             loss = out["loss"] if isinstance(out, dict) else out
             self.backward(loss / n, optimizer)
         return closure()
@@ -671,11 +696,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
         dataset, collate = self._train_data
         n = self._micro_batches()
         self._extra_losses = []
+        assert isinstance(self.sampler, FTBatchSampler)  # _train_data is set with it (map-style data)
         for slot, k in plan.extra:
             total = 0.0
             for ids in self.sampler.micro_batches(slot, k):
                 batch = self.batch_to_device(collate([dataset[i] for i in ids]))
-                out = self.training_step(batch, batch_idx)
+                out: Any = self.training_step(batch, batch_idx)  # the loss, or a dict with it
                 loss = out["loss"] if isinstance(out, dict) else out
                 self.backward(loss / n, optimizer)
                 total += float(loss.detach())
@@ -687,7 +713,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         replica, restarted ones included, is at the same epoch and batch position and runs
         validation, epoch ends and `max_epochs` at the same committed steps. An epoch is one
         pass of the slot streams (`steps_per_epoch` committed steps) for the whole job."""
-        module = self.lightning_module
+        module = self._module
         spe = self.sampler.steps_per_epoch() if self.sampler is not None else 0
         if not spe:
             lightning_compat.set_progress(module.trainer, module.automatic_optimization, n)
@@ -729,7 +755,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         try:
             checkpoint = load(self, checkpoint_path, weights_only,
                               lambda: super(FTHSDPStrategy, self).load_checkpoint(checkpoint_path, weights_only))
-            if self.mgr is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            if self.mgr is not None and self._module.trainer.state.fn == TrainerFn.FITTING:
                 self._resume_point = point_of(checkpoint, self.num_replicas, str(checkpoint_path))
         except ResumeError as e:
             raise FTHSDPError(str(e)) from None
@@ -783,10 +809,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().on_train_end()
         if self.mgr is not None and not self._job_done:
             self.mgr.mark_finished()
-            write_final(self.mgr, self.lightning_module, self.mgr.optimizer, self.global_rank, self.recomputes)
+            write_final(self.mgr, self._module, self.mgr.optimizer, self.global_rank, self.recomputes)
 
     def _close(self) -> None:
-        if hasattr(self.sampler, "close"):
+        if self.sampler is not None and hasattr(self.sampler, "close"):
             self.sampler.close()  # the last loader states reach their files
         if self._ckpt is not None:
             self._ckpt.close()

@@ -71,8 +71,8 @@ class DeviceStaging:
 
     # -- an all-reduce ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def active(self, tx: TxLink, ready: Sequence[torch.cuda.Event] = ()) -> Iterator[None]:
-        """One all-reduce over link `tx`: on the staging stream, after the `ready` events
+    def active(self, tx: Optional[TxLink], ready: Sequence[torch.cuda.Event] = ()) -> Iterator[None]:
+        """One all-reduce over link `tx` (None: no link): on the staging stream, after the `ready` events
         (the caller's stream when it called `allreduce`); synchronized at the end, also
         when it fails, so that nothing of ours still writes the tensor afterwards."""
         if tx is not self._link:  # a new epoch's link: its tickets start again
