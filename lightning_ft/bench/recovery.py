@@ -148,10 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-delay", type=float, default=0.2,
                    help="seconds from the kill to the restart (failure.restart_delay_s's default)")
     p.add_argument("--timeout", type=float, default=180.0)
-    p.add_argument("--standby-kills", type=int, default=0,
-                   help="then this many SIGKILLs healed by a warm spare each (heal_standby_s: their median). "
-                        "With --quick's 4 ms steps a promoted spare can wait 10-30 s (docs/ARCHITECTURE.md, "
-                        "'Warm standby', the open race); measure it with --step-sleep 0.02 or the default model")
+    p.add_argument("--standby-kills", type=int, default=5,
+                   help="then this many SIGKILLs healed by a warm spare each (heal_standby_s: their median)")
     a = p.parse_args(argv)
     print(json.dumps(run(a)), flush=True)
     return 0

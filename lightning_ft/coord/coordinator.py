@@ -168,7 +168,7 @@ class Coordinator:
                 f"same job id and secret? Give each replica its own id, or the other job another --job")
         self._next_round = self._latest_round() + 1
         self._report = Report(self.rid, self.incarnation, step, self._next_round, dict(self.spec.fingerprint),
-                              **state)
+                              joining=True, **state)
         addrs = tuple(addrs)
         state_addrs = tuple(state_addrs) or ("",) * len(addrs)
         self._world = max(1, len(addrs))
@@ -379,7 +379,23 @@ class Coordinator:
             if raw is None and (first or now - last_get >= self._slow_poll_s):
                 kv = self.store.get(self._round_key(round))
                 raw, last_get = (kv.value if kv else None), now
-            decider = raw is None and self._is_decider(now - started)
+            newer = self._newer_decision(round) if raw is None and self._own_report.joining else None
+            if newer is not None:
+                # A joiner whose round the others passed without recording it (steady rounds are
+                # recorded in the background): take the newest decision that has us, else report
+                # for the next round after the fallback; never decide the stale round alone.
+                n, nraw = newer
+                if nraw.startswith(b'{"halt"'):
+                    raise JobHalted(json.loads(nraw)["halt"])
+                qn = Quorum.from_json(nraw)
+                if (self.rid, self.incarnation) in qn.member_set():
+                    self._adopt(qn)
+                    return qn
+                if now - started >= self._fallback_s:
+                    self._publish(step, n + 1)
+                    started = self._clock()
+                    continue
+            decider = raw is None and newer is None and self._is_decider(now - started)
             if decider:
                 self._watch_reports(True)
             # Evaluate from etcd once the watched reports could decide the round (and at least
@@ -409,6 +425,12 @@ class Coordinator:
                 if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
                     raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted; exiting so "
                                   "the supervisor restarts it")
+                if self._own_report.joining:
+                    # our report counts for every round (rule 1): a later one may already have us
+                    taken = self._recorded_with_us(round)
+                    if taken is not None:
+                        self._adopt(taken)
+                        return taken
                 self._publish(step, max(round, self._latest_round()) + 1)
                 started = self._clock()
                 continue
@@ -459,8 +481,31 @@ class Coordinator:
         except StoreError as e:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
 
+    def _recorded_with_us(self, round: int) -> Optional[Quorum]:
+        """The first round after `round` recorded in etcd whose quorum has us, or None."""
+        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
+        for kv in kvs:
+            if keys.round_of(kv.key) > round and not kv.value.startswith(b'{"halt"'):
+                q = Quorum.from_json(kv.value)
+                if (self.rid, self.incarnation) in q.member_set():
+                    return q
+        return None
+
+    def _newer_decision(self, round: int) -> Optional[tuple[int, bytes]]:
+        """Of the decisions the quorum/ watch delivered for rounds after `round`: the first that
+        has us (or a halt), else the newest; None when there are none. The first, so that we
+        adopt every round we are a member of, in order, as the others do."""
+        newer = sorted(r for r in list(self._decisions) if r > round)
+        for r in newer:
+            raw = self._decisions[r]
+            if raw.startswith(b'{"halt"') or (self.rid, self.incarnation) in Quorum.from_json(raw).member_set():
+                return r, raw
+        return (newer[-1], self._decisions[newer[-1]]) if newer else None
+
     def _adopt(self, q: Quorum) -> None:
         self._before_steady = None
+        if self._own_report.joining:
+            self._report = replace(self._own_report, joining=False)
         with self._dead_lock:
             self._current = q
             self._dead = {m for m in self._dead if m in q.member_set()}

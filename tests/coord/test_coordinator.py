@@ -12,6 +12,7 @@ from itertools import pairwise
 
 import pytest
 
+from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, QuorumTimeout
 from lightning_ft.coord.demo import LeaderProc
 from lightning_ft.coord.quorum import JobSpec
@@ -425,3 +426,43 @@ def test_a_new_decider_takes_over_the_reports_when_the_old_one_dies():
     for c in cs[1:]:
         c.close()
     s.close()
+
+
+def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded():
+    """The survivors ran rounds without etcd (steady) that were never recorded, so the joiner
+    reports for a round they passed long ago. Its report still counts (rule 1: joining); the
+    next full round takes it in, and it adopts that round instead of deciding its stale round
+    alone after the fallback (a quorum the others never join: 10-33 s per heal at 4 ms steps)."""
+    from lightning_ft.coord.quorum import LocalView, steady_next
+
+    s = MemoryStore()
+    spec = JobSpec(3, 1, 5.0, {"job": "j"})
+    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1)
+    b = Coordinator(s, "j", 2, 0, spec, lease_ttl_s=1)
+    j = Coordinator(s, "j", 1, 4, spec, lease_ttl_s=1)
+    try:
+        for c in (a, b):
+            c.register(0, synced=True)
+        for step in range(3):
+            qa, qb = _both(a, b, step, step)
+        stale = qa.round + 1
+        for _ in range(50):  # steady rounds, adopted by both, recorded by nobody
+            for c in (a, b):
+                c.adopt_steady(steady_next(c.current, LocalView(committed=True, changed=False, digest_due=False)))
+        j.register(0, synced=False)
+        assert j._own_report.round == stale and j._own_report.joining
+        out: dict = {}
+        tj = threading.Thread(target=lambda: out.__setitem__("j", j.quorum(0, timeout_s=5)))
+        tj.start()
+        time.sleep(0.05)
+        assert a.changed  # the decider's members watch saw the joiner
+        step = qa.max_step + 51
+        qa, qb = _both(a, b, step, step)
+        tj.join(6)
+        qj = out["j"]
+        assert qa == qb == qj and qj.members == (0, 1, 2) and qj.lagging == (1,), (qa, qj)
+        assert qj.round == stale + 50
+        assert s.get(keys.quorum(keys.root("/lft", "j"), stale)) is None  # it never decided the stale round
+        assert not j._own_report.joining
+    finally:
+        a.close(), b.close(), j.close(), s.close()

@@ -105,6 +105,35 @@ def test_joiner_that_reported_an_older_round_is_not_waited_for():
     assert d.quorum.members == (0, 2) and d.quorum.epoch == prev.epoch
 
 
+@pytest.mark.parametrize("joining, inc, taken", [
+    (True, 0, True),    # a new process: its report stands for every round until it is taken in
+    (False, 0, False),  # a replica that left the quorum (a finisher, one left out): its old round is stale
+    (True, 4, True),    # a new incarnation of a member of the previous quorum is a joiner too
+])
+def test_a_joiners_report_for_a_round_the_others_passed_still_counts(joining, inc, taken):
+    """Steady rounds are recorded in the background, so a joiner reports for the round after
+    the newest recorded one, which the others may have passed long ago (rule 1)."""
+    prev = prev_of(rep(0, 7), rep(1, 7), rep(2, 7), round=90, epoch=3)
+    prev = dataclasses.replace(prev, members=(0, 2), incarnations=(0, 0), contributors=(0, 2))
+    if inc:
+        prev = dataclasses.replace(prev, members=(0, 1, 2), incarnations=(0, 3, 0), contributors=(0, 1, 2))
+    late = dataclasses.replace(rep(1, 0, round=12, inc=inc), joining=joining)
+    reports = [rep(0, 8, round=91), late, rep(2, 8, round=91)]
+    d = decide(91, reports, previous=prev, evicted=[(1, 3)] if inc else ())
+    assert (1 in d.quorum.members) == taken, d.reason
+    if taken:
+        assert d.quorum.lagging == (1,) and d.quorum.contributors == (0, 2)
+
+
+def test_a_member_whose_report_still_says_joining_is_held_to_its_round():
+    """Its joining report is still in etcd after it adopted a round: as a member of the previous
+    quorum it counts only for the round it names (the round waits for its next report)."""
+    prev = prev_of(rep(0, 7), rep(1, 7), rep(2, 7), round=91, epoch=4)
+    stale = dataclasses.replace(rep(1, 7, round=12), joining=True)
+    d = decide(92, [rep(0, 8, round=92), stale, rep(2, 8, round=92)], previous=prev)
+    assert d.quorum is None and "r1" in d.reason
+
+
 def test_unchanged_membership_keeps_epoch():
     prev = prev_of(rep(0), rep(1), rep(2), epoch=5)
     d = decide(1, [rep(0, 1, round=1), rep(1, 1, round=1), rep(2, 1, round=1)], previous=prev)
