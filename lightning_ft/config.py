@@ -199,6 +199,10 @@ class SupervisorConfig:
     """A replica on its way out (it left the job, or one of its ranks exited 0) whose processes still
     run this long after is hung on exit (stopped or deadlocked in teardown): it is killed and
     restarted, so the launcher does not wait for it forever (0 = wait forever)."""
+    standby: int = 0
+    """Warm spare replicas to keep (docs/ARCHITECTURE.md, "Warm standby"): each runs the program
+    up to the strategy's setup and waits; a failed replica's restart takes one (healing in a
+    fraction of a second instead of a cold start) and a new spare is started in its place."""
 
 
 @dataclass
@@ -493,6 +497,7 @@ def validate(cfg: Any) -> None:
         bad("network.bind_host", cfg.network.bind_host, 'must be a host name or address ("0.0.0.0": all)')
     at_least("consistency.every_n_steps", cfg.consistency.every_n_steps, 0)
     at_least("supervisor.crash_loop", cfg.supervisor.crash_loop, 1)
+    at_least("supervisor.standby", cfg.supervisor.standby, 0)
 
     at_least("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, 0)
     at_least("checkpoint.keep", cfg.checkpoint.keep, 1)

@@ -185,7 +185,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
             a.config = os.path.join(a.resume, "config.yaml")  # the run's own config, then the overrides
         a.run_dir = a.resume
     for key, val in (("replicas", a.replicas), ("nproc_per_replica", a.nproc_per_replica), ("job", a.job),
-                     ("etcd.endpoint", a.etcd), ("etcd.members", a.etcd_members), ("run_dir", a.run_dir)):
+                     ("etcd.endpoint", a.etcd), ("etcd.members", a.etcd_members), ("run_dir", a.run_dir),
+                     ("supervisor.standby", a.standby)):
         if val is not None:
             overrides.append(f"{key}={val}")
     if a.etcd is not None:
@@ -256,7 +257,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          checkpoint_root=checkpoint_dir(cfg), store=keeper.store, crash_loop=cfg.supervisor.crash_loop,
                          min_replicas=cfg.min_replicas, seed_from=resume_from or "",
                          wrap=os.environ.get("LFT_REPLICA_WRAP", ""), start_timeout_s=cfg.supervisor.start_timeout_s,
-                         exit_timeout_s=cfg.supervisor.exit_timeout_s,
+                         exit_timeout_s=cfg.supervisor.exit_timeout_s, standby=cfg.supervisor.standby,
                          resume_wait_s=max(10.0, cfg.etcd.lease_ttl_s + 6.0),
                          env={"LFT_CONFIG": config_path, **keeper.child_env(),
                               **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-dir", default=None)
     r.add_argument("--replica-ids", default="", help="comma-separated ids this launcher runs (multi-node)")
     r.add_argument("--max-restarts", type=int, default=10)
+    r.add_argument("--standby", type=int, default=None, metavar="N",
+                   help="keep N warm spare replicas; a failed replica's restart takes one (default: config "
+                        "supervisor.standby, 0)")
     r.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     r.add_argument("--no-status", action="store_true", help="no live table (events still go to events.jsonl)")
     r.add_argument("--restart", choices=["replica", "world"], default="replica",

@@ -19,8 +19,16 @@ the stack; docs/ARCHITECTURE.md, "Hang diagnosis"). Then the supervisor
    that fired in the failed incarnation: `env["LFT_CONFIG"]`), once the job has advanced
    that many steps; it gives up after `max_restarts`.
 
+With `standby` = N it also keeps N warm spares (coord/standby.py; docs/ARCHITECTURE.md,
+"Warm standby"): W processes each, started with `LFT_STANDBY=<token>`, waiting registered in
+etcd. A restart takes a registered spare when there is one (at once: the spare is past its
+start-up, so there is no crash loop to pace) and starts a new spare in its place; a cold
+start is the fallback. A spare that exits while waiting is replaced, unless spares keep dying
+before they register (`SPARE_FAILURES` in a row: the program cannot be a spare).
+
 Every event is one JSON line in `{run_dir}/events.jsonl`; each process logs to
-`{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log`.
+`{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log` (a spare to `spare-{token}.rank{rank}.log`, which
+it keeps after its promotion; the `promote` event names it).
 """
 from __future__ import annotations
 
@@ -54,6 +62,8 @@ EXIT_TIMEOUT = 124
 """run() returns this when `timeout_s` passed (as timeout(1) does)."""
 EXIT_GAVE_UP = 1
 """run() returns this when every replica stopped and at least one was given up on."""
+SPARE_FAILURES = 3
+"""Spares that exit before they register, in a row, after which no more are started."""
 RESUME_LIVE_WAIT_S = 10.0
 """How long `--resume` waits for a dead job's leases to lapse (a launcher's hold: 5 s)."""
 EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
@@ -125,6 +135,17 @@ class _Replica:
         return self.spec.rid
 
 
+@dataclass
+class _Spare:
+    """A warm spare this supervisor started (coord/standby.py)."""
+
+    token: str
+    procs: list[subprocess.Popen]
+    port: int
+    registered: bool = False
+    """Its standby/ key was seen in etcd."""
+
+
 class Supervisor:
     """Starts, watches and restarts the replicas `replica_ids` (default: all `replicas`) of one job."""
 
@@ -135,7 +156,7 @@ class Supervisor:
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
                  crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
                  start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S,
-                 exit_timeout_s: float = 120.0) -> None:
+                 exit_timeout_s: float = 120.0, standby: int = 0) -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -151,6 +172,18 @@ class Supervisor:
         launcher of the job (same job id and secret) is running, or starts a new one. A new
         run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
         self._wrap = wrap
+        if standby < 0:
+            raise ValueError(f"standby={standby} must be >= 0")
+        if standby and restart != "replica":
+            raise ValueError("standby spares replace failed replicas; restart='world' restarts every replica")
+        self.standby = standby
+        """Warm spares to keep (`_top_up_spares`)."""
+        self._spares: dict[str, _Spare] = {}
+        self._spare_seq = 0
+        self._spare_failures = 0
+        self._spares_read = 0.0
+        self._spares_done = False
+        """A spare left because the job finished: none is started again."""
         self.start_timeout_s = start_timeout_s
         self.exit_timeout_s = exit_timeout_s
         """A replica on its way out (it left the job, or some ranks exited 0) that still runs this
@@ -234,6 +267,7 @@ class Supervisor:
             self._started = True
             for rep in self._replicas.values():
                 self._launch(rep)
+            self._top_up_spares()
 
     @property
     def root(self) -> str:
@@ -304,6 +338,7 @@ class Supervisor:
                     self._reap(rep)
             if self.hang_check:
                 self._check_hangs()
+            self._reap_spares()
             self._restart_due()
 
     def run(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None,
@@ -323,6 +358,7 @@ class Supervisor:
                     return 128 + self._signalled
                 states = {rep.state for rep in self._replicas.values()}
                 if states <= {"done", "failed", "stopped"}:
+                    self._stop_spares("the job ended")
                     if self.halted:
                         return EXIT_HALTED
                     return 0 if states == {"done"} else EXIT_GAVE_UP
@@ -456,6 +492,8 @@ class Supervisor:
             atexit.unregister(self.shutdown)
             running = [rep for rep in self._replicas.values() if rep.state == "running"]
             live = [p for rep in running for p in rep.procs if p.returncode is None] + self._stragglers
+            live += [p for sp in self._spares.values() for p in sp.procs if p.returncode is None]
+            self._spares.clear()
             for p in live:
                 _signal(p, signal.SIGTERM)
             deadline = time.monotonic() + TERM_GRACE_S
@@ -508,12 +546,16 @@ class Supervisor:
                     _wait(p)
                 raise RuntimeError(f"cannot start replica {rep.rid} rank {rank} ({self.cmd[0]!r}): {e}. "
                                    "Check the command and that the run directory is writable.") from e
+        self._running(rep, port)
+
+    def _running(self, rep: _Replica, port: int, **more: Any) -> None:
+        """Bookkeeping of a replica whose processes (`rep.procs`) were just started or promoted."""
         for p in rep.procs:
             try:
                 self._pidfds[p.pid] = os.pidfd_open(p.pid)
             except (AttributeError, OSError):  # no pidfds here: run() polls
                 pass
-        details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port}
+        details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port, **more}
         if rep.restart_step is not None:
             details["wait_step"] = rep.restart_step
         rep.state = "running"
@@ -532,9 +574,16 @@ class Supervisor:
             self._event(rep, "restart", restarts=rep.restarts,
                         down_s=round(time.monotonic() - rep.failed_at, 3), **details)
 
-    def _env(self, rep: _Replica, rank: int, port: int) -> dict[str, str]:
+    def _env(self, rep: _Replica, rank: int, port: int, spare: str = "") -> dict[str, str]:
+        """A replica's process environment, or (`spare`) a warm spare's: its token instead of the
+        replica id and incarnation, which it learns when promoted."""
         nproc = str(rep.spec.nproc)
         extra = dict(self._extra_env)
+        if spare:  # a spare is always a later process: it catches up, it never resumes
+            env = self._env(rep, rank, port)
+            for name in ("LFT_REPLICA_ID", "LFT_INCARNATION", "LFT_RESUME"):
+                env.pop(name, None)
+            return {**env, "LFT_STANDBY": spare}
         if self.restart_mode == "replica" and rep.restarts > 0:
             # The resume checkpoint is for the job's first processes: a replica restarted later
             # catches up from the live ones (or a rewind loads a published checkpoint), and the
@@ -548,9 +597,122 @@ class Supervisor:
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc,
                 "LFT_SPAWN_T": repr(time.time())}  # the restart breakdown's zero (replica/startup.py)
 
+    # -- warm spares (coord/standby.py) -------------------------------------------------------------
+    def _top_up_spares(self) -> None:
+        """Start spares until `standby` are alive (none once the job is over or spares keep dying)."""
+        if (not self.standby or self._shut_down or self.halted or self._spares_done
+                or self._spare_failures >= SPARE_FAILURES):
+            return
+        if all(rep.state in ("done", "failed", "stopped") for rep in self._replicas.values()):
+            return
+        while len(self._spares) < self.standby:
+            self._spare_seq += 1
+            token = f"{self.run_id or 'run'}-{os.getpid()}-s{self._spare_seq}"
+            template = next(iter(self._replicas.values()))
+            port = self._free_port()
+            procs: list[subprocess.Popen] = []
+            try:
+                for rank in range(template.spec.nproc):
+                    path = os.path.join(self.run_dir, "logs", f"spare-{token}.rank{rank}.log")
+                    with open(path, "ab") as out:
+                        procs.append(subprocess.Popen(self.cmd, env=self._env(template, rank, port, spare=token),
+                                                      stdout=out, stderr=subprocess.STDOUT,
+                                                      stdin=subprocess.DEVNULL, start_new_session=True))
+            except OSError as e:
+                for p in procs:
+                    _signal(p, signal.SIGKILL)
+                    _wait(p)
+                log.warning("cannot start a warm spare (%s); restarts will be cold", e)
+                self._spare_failures = SPARE_FAILURES
+                return
+            self._spares[token] = _Spare(token, procs, port)
+            self._event_line({"event": "spare_start", "token": token, "pids": [p.pid for p in procs]})
+
+    def _reap_spares(self) -> None:
+        """Spares that exited while waiting: cleaned up and replaced (a finished job's leave)."""
+        if any(not sp.registered for sp in self._spares.values()) and time.monotonic() - self._spares_read > 1.0:
+            from lightning_ft.coord import standby
+
+            self._spares_read = time.monotonic()
+            try:
+                live = {sp.token for sp in standby.spares(self._store, self._root)}
+            except StoreError:
+                live = set()
+            for sp in self._spares.values():
+                sp.registered = sp.registered or sp.token in live
+        for token, sp in list(self._spares.items()):
+            codes = [_peek(p) for p in sp.procs]
+            if all(c is None for c in codes):
+                continue
+            for p in sp.procs:
+                _signal(p, signal.SIGKILL)
+                _wait(p)
+            del self._spares[token]
+            self._event_line({"event": "spare_exit", "token": token, "codes": codes, "registered": sp.registered})
+            if all(c == 0 for c in codes):  # a spare leaves cleanly only when the job finished
+                self._spares_done = True
+            elif any(c not in (None, 0) for c in codes):
+                self._spare_failures = 0 if sp.registered else self._spare_failures + 1
+                if self._spare_failures >= SPARE_FAILURES:
+                    log.warning("%d warm spares in a row exited before they registered (see %s); no more spares: "
+                                "restarts will be cold", SPARE_FAILURES,
+                                os.path.join(self.run_dir, "logs", f"spare-{token}.rank0.log"))
+        self._top_up_spares()
+
+    def _stop_spares(self, why: str) -> None:
+        for token, sp in list(self._spares.items()):
+            for p in sp.procs:
+                _signal(p, signal.SIGKILL)
+                _wait(p)
+            self._event_line({"event": "spare_stop", "token": token, "reason": why})
+        self._spares.clear()
+
+    def _promote_spare(self, rep: _Replica) -> bool:
+        """Replica `rep`'s next incarnation from a registered spare (standby.assign/promote)."""
+        from lightning_ft.coord import standby
+
+        if not self._spares:
+            return False
+        try:
+            live = {sp.token: sp for sp in standby.spares(self._store, self._root)}
+        except StoreError as e:
+            log.warning("cannot read the warm spares (%s); restarting replica %d cold", e, rep.rid)
+            return False
+        ours = [live[t] for t, sp in self._spares.items() if t in live and all(_peek(p) is None for p in sp.procs)]
+        for sp in self._spares.values():
+            sp.registered = sp.registered or sp.token in live
+        pick = standby.assign([standby.Vacancy(rep.rid, rep.incarnation + 1)], ours, rep.spec.nproc).get(rep.rid)
+        if pick is None:
+            return False
+        try:
+            if not standby.promote(self._store, self._root, pick, rep.rid, rep.incarnation + 1):
+                return False
+        except StoreError as e:
+            log.warning("cannot promote spare %s (%s); restarting replica %d cold", pick, e, rep.rid)
+            return False
+        sp = self._spares.pop(pick)
+        for p in rep.procs:  # the previous incarnation's: reaped
+            fd = self._pidfds.pop(p.pid, None)
+            if fd is not None:
+                os.close(fd)
+        rep.incarnation += 1
+        rep.restarts += 1
+        rep.procs = sp.procs
+        self._running(rep, sp.port, standby=pick, logs=f"spare-{pick}.rank*.log")
+        self._top_up_spares()
+        return True
+
+    def _event_line(self, row: dict[str, Any]) -> None:
+        """An event of no replica (the spares')."""
+        with self._events_lock:
+            if not self._events.closed:
+                self._events.write(json.dumps({"t": time.time(), **row}) + "\n")
+                self._events.flush()
+
     def _free_port(self) -> int:
         """A free loopback port not already handed to one of our running replicas."""
         used = {rep.port for rep in self._replicas.values() if rep.state == "running"}
+        used |= {sp.port for sp in self._spares.values()}
         while True:
             port = free_port()
             if port not in used:
@@ -878,11 +1040,15 @@ class Supervisor:
             if rep.restart_step is not None:
                 if not self._downtime_over(rep):
                     continue
-            elif now < rep.restart_at:
+            elif now < rep.restart_at and not self._spares:  # a spare is past its start-up: no pacing
                 continue
             if self._job_finished():  # nothing left to train: a late replica would only idle
                 rep.state = "done"
                 self._event(rep, "not_restarted", reason="the job already finished")
+                continue
+            if self._promote_spare(rep):
+                continue
+            if now < rep.restart_at and rep.restart_step is None:
                 continue
             rep.incarnation += 1
             rep.restarts += 1

@@ -167,3 +167,29 @@ def test_a_second_job_on_a_live_id_is_refused_and_a_reused_id_starts_afresh(tmp_
         assert ledger.ok and ledger.steps == 20
     finally:
         store.close()
+
+
+def test_run_with_a_warm_spare_promotes_it_and_keeps_one_in_reserve(tmp_path):
+    """`--standby 1`: the killed replica's restart takes the registered spare (no cold start), a
+    new spare is started in its place, and both are stopped when the job ends identical."""
+    run_dir = tmp_path / "run"
+    r = lft("run", "--replicas", "3", "--nproc-per-replica", "1", "--run-dir", str(run_dir), "--no-status",
+            "--standby", "1", "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "400", "--step-sleep", "0.03",
+            "failure.events=[{replica: 1, step: 200, kind: kill}]", "job=" + "sb" + uuid.uuid4().hex[:6])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    events = [json.loads(l) for l in open(run_dir / "events.jsonl")]
+    starts = [e["token"] for e in events if e["event"] == "spare_start"]
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["replica"] == 1 and restart["incarnation"] == 1 and restart["standby"] == starts[0], restart
+    assert len(starts) == 2  # the first spare was promoted, a second one replaced it
+    assert {e["token"] for e in events if e["event"] in ("spare_stop", "spare_exit")} == {starts[1]}
+    evict = next(e for e in events if e["event"] == "evict")
+    rows = [json.loads(l) for l in open(run_dir / "logs" / f"spare-{starts[0]}.rank0.log") if l.startswith("{")]
+    first = next(x for x in rows if x.get("event") == "step")
+    assert first["rid"] == 1 and first["inc"] == 1 and first["t"] - evict["t"] < 5.0, (first, evict)
+    finals = {x["rid"]: x["digest"] for x in rows if x.get("event") == "final"}
+    for name in os.listdir(run_dir / "logs"):
+        if name.endswith(".rank0.log") and name.startswith("r") and not name.startswith("r1."):
+            finals.update({json.loads(l)["rid"]: json.loads(l)["digest"] for l in open(run_dir / "logs" / name)
+                           if l.startswith("{") and json.loads(l)["event"] == "final"})
+    assert set(finals) == {0, 1, 2} and len({tuple(d) for d in finals.values()}) == 1, finals

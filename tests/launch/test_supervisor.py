@@ -4,6 +4,7 @@ downtime, shutdown by PID, and two supervisors sharing one job."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.store import EtcdStore, MemoryStore
 from lightning_ft.launch.supervisor import EXIT_GAVE_UP, EXIT_HALTED, EXIT_TIMEOUT, TERM_GRACE_S, Supervisor
 
 CHILD = str(Path(__file__).with_name("child.py"))
@@ -463,3 +464,33 @@ def test_a_slow_but_finite_exit_within_the_exit_timeout_is_waited_for(make):
                hang_check=False)
     assert sup.run(timeout_s=20) == 0
     assert [e["event"] for e in events(make.run_dir)] == ["start", "exit", "exit"]
+
+
+def test_spares_that_keep_dying_before_they_register_are_not_started_again(etcd_endpoint, tmp_path, caplog):
+    """A program that cannot be a spare (here: it exits 3 when LFT_STANDBY is set) costs three
+    spare starts, then restarts are cold; the replica itself is unaffected."""
+    job = "spr" + uuid.uuid4().hex[:6]
+    script = tmp_path / "no_spare.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ.get('LFT_STANDBY'):\n    assert 'LFT_REPLICA_ID' not in os.environ\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(4.0)\n")
+    sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
+                     secret="s", run_dir=str(tmp_path / "run"), standby=1, hang_check=False)
+    try:
+        sup.start()
+        with caplog.at_level(logging.WARNING):
+            assert sup.run(timeout_s=60) == 0
+    finally:
+        sup.shutdown()
+    events = [json.loads(l) for l in open(tmp_path / "run" / "events.jsonl")]
+    exits = [e for e in events if e["event"] == "spare_exit"]
+    assert len([e for e in events if e["event"] == "spare_start"]) == 3 == len(exits)
+    assert all(e["codes"] == [3] and not e["registered"] for e in exits)
+    assert "no more spares" in caplog.text
+
+
+def test_standby_is_refused_with_world_restarts(tmp_path):
+    with pytest.raises(ValueError, match="world"):
+        Supervisor(["true"], replicas=2, nproc_per_replica=1, job="j", etcd="127.0.0.1:1", secret="s",
+                   run_dir=str(tmp_path), standby=1, restart="world", store=MemoryStore())
