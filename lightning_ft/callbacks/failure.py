@@ -39,9 +39,20 @@ class FailureInjector(Callback):
         self._signalled = False
         if cfg.signal_exception:
             signal.signal(signal.SIGUSR1, self._on_signal)
+        self._mine = self._of(strategy)
+
+    def _of(self, strategy: Any) -> Optional[Injection]:
+        """This incarnation's injection (a warm spare learns its replica and incarnation only when
+        promoted, in the strategy's setup, after this callback's: `on_train_start` asks again)."""
+        assert self.schedule is not None
         mine = [e for e in self.schedule.events() if e.replica == strategy.rid]
         inc = strategy.incarnation
-        self._mine = mine[inc] if inc < len(mine) else None
+        return mine[inc] if 0 <= inc < len(mine) else None
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.schedule is not None:
+            self._mine = self._of(trainer.strategy)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signalled = True

@@ -145,7 +145,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
     def rid(self) -> int:
-        return self._renv.replica_id
+        """This replica's id (a warm spare's: -1 until promoted in `setup`; coord/standby.py)."""
+        return self.mgr.rid if self.mgr is not None else self._renv.replica_id
 
     @property
     def num_replicas(self) -> int:
@@ -153,7 +154,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @property
     def incarnation(self) -> int:
-        return self._renv.incarnation
+        return self.mgr.incarnation if self.mgr is not None else self._renv.incarnation
 
     @property
     def _module(self) -> LightningModule:
@@ -253,7 +254,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._fit_started = True
             self._exit_if_finished()
         trainer: Any = self._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
-        lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
+        if not self._renv.standby:  # a spare names them once promoted (`setup`)
+            lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
         if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(FTMetrics(self))
         self._route_should_stop(trainer)
@@ -366,7 +368,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 self._module, list(self.optimizers), cfg, job=self._renv.job, rid=self.rid,  # type: ignore[arg-type]
                 incarnation=self.incarnation, num_replicas=self.num_replicas, secret=self._secret,
                 etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
-                run_dir=self._renv.run_dir, run_id=self._renv.run_id)
+                run_dir=self._renv.run_dir, run_id=self._renv.run_id, standby=self._renv.standby)
         except OptimizerError as e:
             raise FTHSDPError(f"ft_hsdp: {e}") from None
         self.mgr.on_commit = self._on_commit
@@ -392,17 +394,28 @@ class FTHSDPStrategy(ModelParallelStrategy):
             if self.global_rank == 0:
                 print(f"lightning-ft: replica {self.rid} resumed from {resume} (step {self.mgr.step}) in "
                       f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
+        from lightning_ft.coord.coordinator import JobFinished
+        from lightning_ft.strategy.evaluation import CrossReplicaReducer
+
+        # half the hang guard: a value that never comes must not make this replica look hung
+        self._reducer = CrossReplicaReducer(self.mgr, timeout_s=cfg.etcd.hang_timeout_s / 2)
+        try:
+            self.mgr.start()  # a warm spare waits here until promoted: the replica id is known after
+        except JobFinished:
+            if not self._renv.standby:
+                raise
+            if self.global_rank == 0:
+                print("lightning-ft: the job finished; this warm spare was not needed", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+        if self._renv.standby:
+            lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")
         if cfg.checkpoint.every_n_steps > 0:
             from lightning_ft.strategy.checkpoints import ReplicaCheckpoints
 
             self._ckpt = ReplicaCheckpoints(self.mgr, checkpoint_dir(cfg), cfg.checkpoint.keep,
                                             cfg.checkpoint.every_n_steps, self.global_rank, world, self.rid)
         self._steplog = StepLog(self.rid, self.incarnation)
-        from lightning_ft.strategy.evaluation import CrossReplicaReducer
-
-        # half the hang guard: a value that never comes must not make this replica look hung
-        self._reducer = CrossReplicaReducer(self.mgr, timeout_s=cfg.etcd.hang_timeout_s / 2)
-        self.mgr.start()
         if self.overlap:
             self.mgr.enable_overlap(cfg.ftar.bucket_bytes)
 

@@ -105,7 +105,8 @@ class MLP(L.LightningModule):
             loss = outputs["loss"].item() if isinstance(outputs, dict) else float(outputs)
             row = {"event": "batch", "step": self.trainer.global_step, "loss": loss,
                    "lr": self.trainer.optimizers[0].param_groups[0]["lr"], "applied_lr": self.applied_lr,
-                   "rid": int(os.environ.get("LFT_REPLICA_ID", "-1"))}
+                   "rid": getattr(self.trainer.strategy, "rid", int(os.environ.get("LFT_REPLICA_ID", "-1"))),
+                   "inc": getattr(self.trainer.strategy, "incarnation", 0)}  # a promoted spare's, not its env's
             scaler = getattr(self.trainer.precision_plugin, "scaler", None)
             if scaler is not None:
                 p = next(self.parameters())

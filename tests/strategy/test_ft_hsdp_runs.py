@@ -157,3 +157,24 @@ def test_injected_exception_then_hang_through_lightning(tmp_path, etcd_endpoint)
     assert run.finals[0]["digest"] == run.finals[1]["digest"], ok(run)
     assert run.finals[1]["incarnation"] == 2
     assert run.ledger.ok and run.ledger.steps == steps
+
+
+def test_a_warm_spare_takes_over_a_killed_lightning_replica(tmp_path, etcd_endpoint):
+    """`supervisor.standby=1` with a Lightning program: the spare runs the script up to the
+    strategy's setup and waits; when replica 1 is killed it becomes replica 1 incarnation 1
+    (loggers, step log and final.json under replica_1), catches up and trains to the end,
+    identical, exactly once."""
+    steps = 60
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", str(steps), "--step-sleep", "0.25",
+                  overrides=("failure.events=[{replica: 1, step: 40, kind: kill}]", "supervisor.standby=1"))
+    assert run.proc.returncode == 0, ok(run)
+    spare = [e["token"] for e in run.events if e["event"] == "spare_start"][0]
+    (restart,) = [e for e in run.events if e["event"] == "restart"]
+    assert (restart["replica"], restart["incarnation"], restart.get("standby")) == (1, 1, spare), ok(run)
+    back = run.rows[(1, 1)]
+    assert back[0]["step"] > 40 and back[-1]["step"] == steps, back[:2]
+    assert run.rows[(1, 0)][-1]["batch"] + 1 == back[0]["batch"]
+    (bd,) = [e for e in run.events if e["event"] == "restart_breakdown"]
+    assert bd["standby"] is True and list(bd["parts"]) == ["registered", "caught_up", "first_step"], bd
+    assert run.finals[0]["digest"] == run.finals[1]["digest"] and run.finals[1]["step"] == steps, ok(run)
+    assert run.ledger.ok and run.ledger.steps == steps
