@@ -113,9 +113,18 @@ class Job:
                     out[ev["replica"]] = ev["pids"]
         return {r: [p for p in ps if _alive(p)] for r, ps in out.items()}
 
+    def spare_pids(self) -> list[int]:
+        """The live processes of warm spares (`supervisor.standby`; a promoted one is a replica's)."""
+        path = os.path.join(self.run_dir, "events.jsonl")
+        if not os.path.exists(path):
+            return []
+        pids = [p for line in open(path) for ev in (json.loads(line),) if ev.get("event") == "spare_start"
+                for p in ev["pids"]]
+        return [p for p in pids if _alive(p)]
+
     def kill_all(self) -> None:
-        """The whole job dies at once: the launcher, and every replica process."""
-        pids = [p for ps in self.replica_pids().values() for p in ps]
+        """The whole job dies at once: the launcher, every replica process and every spare."""
+        pids = [p for ps in self.replica_pids().values() for p in ps] + self.spare_pids()
         if self.proc is not None and self.proc.poll() is None:
             _signal(-self.proc.pid, signal.SIGKILL)
         for p in pids:

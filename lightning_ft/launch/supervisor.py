@@ -126,6 +126,9 @@ class _Replica:
     crash_streak: int = 0
     diagnosis: Optional[threading.Thread] = None
     """The hang diagnosis running since its member key vanished (`_diagnose_hang`)."""
+    host: str = ""
+    """Where its processes run: the command prefix they were started with (`wrap`), "" without one;
+    a promoted spare's replica runs where the spare ran."""
     leaving_since: Optional[float] = None
     """When it was first seen on its way out (left/{rid}/{inc} written, or a rank exited 0 while
     others still run): past exit_timeout_s from then it is hung on exit."""
@@ -142,6 +145,8 @@ class _Spare:
     token: str
     procs: list[subprocess.Popen]
     port: int
+    host: str = ""
+    """Where it runs: the command prefix it was started with (`wrap`), "" without one."""
     registered: bool = False
     """Its standby/ key was seen in etcd."""
 
@@ -532,11 +537,12 @@ class Supervisor:
             if fd is not None:
                 os.close(fd)
         rep.procs = []
+        rep.host = self._wrap.format(rid=rep.rid) if self._wrap else ""
         for rank in range(rep.spec.nproc):
             path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
             try:
                 with open(path, "ab") as out:
-                    cmd = shlex.split(self._wrap.format(rid=rep.rid)) + self.cmd if self._wrap else self.cmd
+                    cmd = shlex.split(rep.host) + self.cmd if rep.host else self.cmd
                     rep.procs.append(subprocess.Popen(cmd, env=self._env(rep, rank, port), stdout=out,
                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                       start_new_session=True))
@@ -608,14 +614,17 @@ class Supervisor:
         while len(self._spares) < self.standby:
             self._spare_seq += 1
             token = f"{self.run_id or 'run'}-{os.getpid()}-s{self._spare_seq}"
-            template = next(iter(self._replicas.values()))
+            ids = sorted(self._replicas)
+            template = self._replicas[ids[self._spare_seq % len(ids)]]  # placed beside replicas in turn
+            host = self._wrap.format(rid=template.rid) if self._wrap else ""
+            cmd = shlex.split(host) + self.cmd if host else self.cmd
             port = self._free_port()
             procs: list[subprocess.Popen] = []
             try:
                 for rank in range(template.spec.nproc):
                     path = os.path.join(self.run_dir, "logs", f"spare-{token}.rank{rank}.log")
                     with open(path, "ab") as out:
-                        procs.append(subprocess.Popen(self.cmd, env=self._env(template, rank, port, spare=token),
+                        procs.append(subprocess.Popen(cmd, env=self._env(template, rank, port, spare=token),
                                                       stdout=out, stderr=subprocess.STDOUT,
                                                       stdin=subprocess.DEVNULL, start_new_session=True))
             except OSError as e:
@@ -625,8 +634,9 @@ class Supervisor:
                 log.warning("cannot start a warm spare (%s); restarts will be cold", e)
                 self._spare_failures = SPARE_FAILURES
                 return
-            self._spares[token] = _Spare(token, procs, port)
-            self._event_line({"event": "spare_start", "token": token, "pids": [p.pid for p in procs]})
+            self._spares[token] = _Spare(token, procs, port, host)
+            self._event_line({"event": "spare_start", "token": token, "pids": [p.pid for p in procs],
+                              **({"host": host} if host else {})})
 
     def _reap_spares(self) -> None:
         """Spares that exited while waiting: cleaned up and replaced (a finished job's leave)."""
@@ -678,10 +688,13 @@ class Supervisor:
         except StoreError as e:
             log.warning("cannot read the warm spares (%s); restarting replica %d cold", e, rep.rid)
             return False
-        ours = [live[t] for t, sp in self._spares.items() if t in live and all(_peek(p) is None for p in sp.procs)]
+        # where a spare runs is where we started it (its wrap), beside the replica it may replace
+        ours = [standby.Spare(t, sp.host, live[t].world, live[t].since) for t, sp in self._spares.items()
+                if t in live and all(_peek(p) is None for p in sp.procs)]
         for sp in self._spares.values():
             sp.registered = sp.registered or sp.token in live
-        pick = standby.assign([standby.Vacancy(rep.rid, rep.incarnation + 1)], ours, rep.spec.nproc).get(rep.rid)
+        vacancy = standby.Vacancy(rep.rid, rep.incarnation + 1, rep.host)
+        pick = standby.assign([vacancy], ours, rep.spec.nproc).get(rep.rid)
         if pick is None:
             return False
         try:
@@ -697,8 +710,9 @@ class Supervisor:
                 os.close(fd)
         rep.incarnation += 1
         rep.restarts += 1
-        rep.procs = sp.procs
-        self._running(rep, sp.port, standby=pick, logs=f"spare-{pick}.rank*.log")
+        rep.procs, rep.host = sp.procs, sp.host
+        self._running(rep, sp.port, standby=pick, logs=f"spare-{pick}.rank*.log", **({"host": sp.host} if sp.host
+                                                                                      else {}))
         self._top_up_spares()
         return True
 
