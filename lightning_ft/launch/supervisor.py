@@ -27,8 +27,8 @@ start is the fallback. A spare that exits while waiting is replaced, unless spar
 before they register (`SPARE_FAILURES` in a row: the program cannot be a spare).
 
 Every event is one JSON line in `{run_dir}/events.jsonl`; each process logs to
-`{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log` (a spare to `spare-{token}.rank{rank}.log`, which
-it keeps after its promotion; the `promote` event names it).
+`{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log` (a spare to `spare-{token}.rank{rank}.log`; once
+promoted, `r{rid}.i{inc}.rank{rank}.log` links to it, and the `restart` event names it).
 """
 from __future__ import annotations
 
@@ -711,6 +711,12 @@ class Supervisor:
         rep.incarnation += 1
         rep.restarts += 1
         rep.procs, rep.host = sp.procs, sp.host
+        for rank in range(len(sp.procs)):  # the replica's log under its usual name (report, crash loops)
+            link = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
+            try:
+                os.symlink(f"spare-{pick}.rank{rank}.log", link)
+            except OSError as e:
+                log.warning("cannot link %s to spare %s's log: %s", link, pick, e)
         self._running(rep, sp.port, standby=pick, logs=f"spare-{pick}.rank*.log", **({"host": sp.host} if sp.host
                                                                                       else {}))
         self._top_up_spares()

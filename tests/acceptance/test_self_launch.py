@@ -183,3 +183,47 @@ def test_ctrl_c_stops_the_job_and_every_process_it_started(tmp_path):
     assert not left, f"still running after Ctrl-C: {left}"
     assert "launches the job: 2 replicas x 1 processes" in text and "(embedded)" in text
     assert "lightning-ft run: exit code 130;" in text, text[-3000:]
+
+
+def test_python_app_py_with_a_warm_spare_of_two_ranks_heals_a_kill_from_it(tmp_path, etcd_endpoint):
+    """`FTHSDPStrategy(overrides=["supervisor.standby=1"])` under self-launch: the job keeps a
+    spare of W=2 processes; a replica SIGKILLed once the spare is registered becomes the spare's
+    (both ranks promoted together), and the job ends identical and exactly once."""
+    from lightning_ft.coord import keys
+    from lightning_ft.coord.store import EtcdStore
+    from tests.strategy.runs import run_root
+
+    steps, replicas, devices = 80, 2, 2
+    job = "selfsb" + uuid.uuid4().hex[:6]
+    run_dir = str(tmp_path / job)
+    proc, out = _start(tmp_path, job, ["code", str(steps), str(devices), str(replicas), "supervisor.standby=1",
+                                       *_overrides(etcd_endpoint, job, run_dir)])
+    store = EtcdStore(etcd_endpoint)
+    try:
+        deadline = time.monotonic() + 240
+        spares: list = []
+        while time.monotonic() < deadline and proc.poll() is None and not spares:
+            try:
+                spares = store.get_prefix(keys.standby(run_root(store, job)))[0]
+            except AssertionError:  # no run recorded yet
+                pass
+            time.sleep(0.1)
+        assert spares, f"no spare registered; {open(out).read()[-2000:]}"
+        assert max(_steps(run_dir, r) for r in range(replicas)) < steps, "the job ended before the kill"
+        pid = _pids(run_dir)[1][1]  # rank 1 of replica 1: the whole replica is replaced
+        os.kill(pid, signal.SIGKILL)
+        _wait(proc, 240)
+    finally:
+        store.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    text = open(out).read()
+    proc.stdout, proc.stderr = text, ""
+    run = collect(run_dir, job, etcd_endpoint, replicas, proc)
+    assert_consistent(run, steps, replicas, f"SIGKILL replica 1 rank 1 pid {pid}")
+    (restart,) = [e for e in run.events if e["event"] == "restart"]
+    assert restart["replica"] == 1 and restart.get("standby"), (restart, ok(run))
+    assert len(restart["pids"]) == devices
+    (bd,) = [e for e in run.events if e["event"] == "restart_breakdown"]
+    assert bd["standby"] is True and bd["total_s"] < 10, bd

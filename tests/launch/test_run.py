@@ -184,7 +184,8 @@ def test_run_with_a_warm_spare_promotes_it_and_keeps_one_in_reserve(tmp_path):
     assert len(starts) == 2  # the first spare was promoted, a second one replaced it
     assert {e["token"] for e in events if e["event"] in ("spare_stop", "spare_exit")} == {starts[1]}
     evict = next(e for e in events if e["event"] == "evict")
-    rows = [json.loads(l) for l in open(run_dir / "logs" / f"spare-{starts[0]}.rank0.log") if l.startswith("{")]
+    assert os.readlink(run_dir / "logs" / "r1.i1.rank0.log") == f"spare-{starts[0]}.rank0.log"
+    rows = [json.loads(l) for l in open(run_dir / "logs" / "r1.i1.rank0.log") if l.startswith("{")]
     first = next(x for x in rows if x.get("event") == "step")
     assert first["rid"] == 1 and first["inc"] == 1 and first["t"] - evict["t"] < 5.0, (first, evict)
     finals = {x["rid"]: x["digest"] for x in rows if x.get("event") == "final"}

@@ -59,11 +59,9 @@ def collect(run_dir: str, job: str, etcd_endpoint: str, replicas: int, proc) -> 
     for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
         if not name.endswith(".rank0.log"):
             continue
-        rows = [json.loads(l) for l in open(os.path.join(logs, name)) if l.startswith('{"event": "batch"')]
-        if name.startswith("spare-"):  # a warm spare's log: its rows name the replica it became
-            for r in rows:
-                run.rows.setdefault((r["rid"], r["inc"]), []).append(r)
+        if name.startswith("spare-"):  # a warm spare's; a promoted one's is linked as r{rid}.i{inc}
             continue
+        rows = [json.loads(l) for l in open(os.path.join(logs, name)) if l.startswith('{"event": "batch"')]
         rid, inc = int(name[1:name.index(".")]), int(name.split(".")[1][1:])
         run.rows[(rid, inc)] = rows
     for rid in range(replicas):
