@@ -55,6 +55,8 @@ class RunData:
     steps: dict = field(default_factory=dict)
     finals: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    spare_events: list = field(default_factory=list)
+    """events.jsonl lines of no replica: the warm spares' (launch/supervisor.py)."""
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -74,7 +76,10 @@ def _jsonl(path: str) -> list[dict]:
 def load(run_dir: str) -> RunData:
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"no run directory {run_dir!r}")
-    data = RunData(run_dir, events=_jsonl(os.path.join(run_dir, "events.jsonl")))
+    events = _jsonl(os.path.join(run_dir, "events.jsonl"))
+    # the warm spares' events (spare_start, spare_exit, spare_stop) belong to no replica
+    data = RunData(run_dir, events=[e for e in events if "replica" in e],
+                   spare_events=[e for e in events if "replica" not in e])
     for name in sorted(os.listdir(run_dir)):
         if not name.startswith("replica_"):
             continue
@@ -175,6 +180,8 @@ def summarize(data: RunData) -> dict:
         "work_steps": round(work, 3),
         "fault_free_step_s": step_s, "ett": round(work * step_s / wall, 4) if step_s and wall else None,
         "restarts": sum(1 for e in data.events if e["event"] == "restart"),
+        "standby_restarts": sum(1 for e in data.events if e["event"] == "restart" and e.get("standby")),
+        "spares_started": sum(1 for e in data.spare_events if e.get("event") == "spare_start"),
         "rewinds": [{"from": e.get("from"), "to": e.get("to"), "checkpoint": e.get("checkpoint") or "",
                      "lost_steps": (e.get("from") or 0) - (e.get("to") or 0)}
                     for e in data.events if e["event"] == "rewind"],

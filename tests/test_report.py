@@ -226,3 +226,21 @@ def test_an_incarnation_killed_before_its_first_step_is_starting_then_down(tmp_p
     assert (5.5, 6.5, "starting") in [(round(a, 2), round(b, 2), st) for a, b, st in segs]
     report.report(d, png=True)
     assert os.path.getsize(os.path.join(d, "timeline.png")) > 0
+
+
+def test_a_run_with_warm_spares_reports_them_and_its_numbers_are_unchanged(tmp_path):
+    """The spares' events belong to no replica (launch/supervisor.py): the report counts them and
+    the promotions, and reads the rest as before (it raised KeyError 'replica' on them)."""
+    write_run(str(tmp_path))
+    path = tmp_path / "events.jsonl"
+    events = [json.loads(l) for l in path.read_text().splitlines()]
+    for e in events:
+        if e["event"] == "restart":
+            e["standby"] = "s1"
+    events += [{"t": T0 + 0.1, "event": "spare_start", "token": "s1", "pids": [7]},
+               {"t": T0 + 20.0, "event": "spare_start", "token": "s2", "pids": [8]},
+               {"t": T0 + 40.0, "event": "spare_stop", "token": "s2", "reason": "the job ended"}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    s = report.report(str(tmp_path), png=False)
+    assert (s["restarts"], s["standby_restarts"], s["spares_started"]) == (1, 1, 2)
+    assert s["ett"] == pytest.approx((60 - 13 / 3) / 60, abs=1e-4)
