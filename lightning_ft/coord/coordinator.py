@@ -382,14 +382,11 @@ class Coordinator:
             newer = self._newer_decision(round) if raw is None and self._own_report.joining else None
             if newer is not None:
                 # A joiner whose round the others passed without recording it (steady rounds are
-                # recorded in the background): take the newest decision that has us, else report
-                # for the next round after the fallback; never decide the stale round alone.
+                # recorded in the background): take the first later decision that has us, else
+                # report for the next round after the fallback; never decide the stale round alone.
                 n, nraw = newer
-                if nraw.startswith(b'{"halt"'):
-                    raise JobHalted(json.loads(nraw)["halt"])
-                qn = Quorum.from_json(nraw)
-                if (self.rid, self.incarnation) in qn.member_set():
-                    self._adopt(qn)
+                qn, taken = self._take(nraw)
+                if taken:
                     return qn
                 if now - started >= self._fallback_s:
                     self._publish(step, n + 1)
@@ -415,11 +412,8 @@ class Coordinator:
                         raw = kv.value
             first = False
             if raw is not None:
-                if raw.startswith(b'{"halt"'):
-                    raise JobHalted(json.loads(raw)["halt"])
-                q = Quorum.from_json(raw)
-                if (self.rid, self.incarnation) in q.member_set():
-                    self._adopt(q)
+                q, taken = self._take(raw)
+                if taken:
                     return q
                 # Left out: evicted (exit), or we reported too late (try the next round).
                 if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
@@ -480,6 +474,17 @@ class Coordinator:
                     self.store.delete(self._round_key(old))
         except StoreError as e:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
+
+    def _take(self, raw: bytes) -> tuple[Quorum, bool]:
+        """A stored decision: raise JobHalted for a halt; else (its quorum, whether we are in it
+        and adopted it)."""
+        if raw.startswith(b'{"halt"'):
+            raise JobHalted(json.loads(raw)["halt"])
+        q = Quorum.from_json(raw)
+        if (self.rid, self.incarnation) in q.member_set():
+            self._adopt(q)
+            return q, True
+        return q, False
 
     def _recorded_with_us(self, round: int) -> Optional[Quorum]:
         """The first round after `round` recorded in etcd whose quorum has us, or None."""

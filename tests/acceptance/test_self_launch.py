@@ -46,6 +46,19 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
         raise
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _collect(proc: subprocess.Popen, out: str, run_dir: str, job: str, etcd_endpoint: str, replicas: int):
+    """(the launcher's output, the run read back) once the job ended."""
+    text = open(out).read()
+    proc.stdout, proc.stderr = text, ""
+    return text, collect(run_dir, job, etcd_endpoint, replicas, proc)
+
+
 def _overrides(etcd_endpoint: str, job: str, run_dir: str) -> list[str]:
     return [f"etcd.endpoint={etcd_endpoint}", f"job={job}", f"run_dir={run_dir}", "etcd.lease_ttl_s=1",
             "failure.restart_delay_s=0.2", "quorum.init_timeout_s=60"]
@@ -84,12 +97,8 @@ def test_python_app_py_launches_its_job_which_survives_a_random_kill(tmp_path, e
         os.kill(pid, signal.SIGKILL)
         _wait(proc, 240)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    text = open(out).read()
-    proc.stdout, proc.stderr = text, ""
-    run = collect(run_dir, job, etcd_endpoint, replicas, proc)
+        _stop(proc)
+    text, run = _collect(proc, out, run_dir, job, etcd_endpoint, replicas)
     assert_consistent(run, steps, replicas, fault)  # rc 0, final step, identical digests, exact ledger
     assert [e["replica"] for e in run.events if e["event"] == "restart"] == [rid], (fault, ok(run))
     # The process the user started printed where the job runs, supervised, and never trained:
@@ -215,12 +224,8 @@ def test_python_app_py_with_a_warm_spare_of_two_ranks_heals_a_kill_from_it(tmp_p
         _wait(proc, 240)
     finally:
         store.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    text = open(out).read()
-    proc.stdout, proc.stderr = text, ""
-    run = collect(run_dir, job, etcd_endpoint, replicas, proc)
+        _stop(proc)
+    _, run = _collect(proc, out, run_dir, job, etcd_endpoint, replicas)
     assert_consistent(run, steps, replicas, f"SIGKILL replica 1 rank 1 pid {pid}")
     (restart,) = [e for e in run.events if e["event"] == "restart"]
     assert restart["replica"] == 1 and restart.get("standby"), (restart, ok(run))
