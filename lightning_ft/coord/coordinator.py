@@ -421,10 +421,10 @@ class Coordinator:
                                   "the supervisor restarts it")
                 if self._own_report.joining:
                     # our report counts for every round (rule 1): a later one may already have us
-                    taken = self._recorded_with_us(round)
-                    if taken is not None:
-                        self._adopt(taken)
-                        return taken
+                    later = self._recorded_with_us(round)
+                    if later is not None:
+                        self._adopt(later)
+                        return later
                 self._publish(step, max(round, self._latest_round()) + 1)
                 started = self._clock()
                 continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 STANDBY_ENV = "LFT_STANDBY"
 """A spare's token (unique in the job); set instead of LFT_REPLICA_ID."""
+
+
+class LauncherGone(RuntimeError):
+    """A waiting spare's parent process (its launcher) exited."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class Waiter:
         self.store, self.prefix, self.job, self.tag = store, prefix, job, tag
         self.fingerprint, self.token, self.host, self.world = dict(fingerprint), token, host, world
         self.run_id, self.ttl_s, self.poll_s = run_id, ttl_s, poll_s
+        self._parent = os.getppid()
+        """Its launcher: a spare whose launcher died is nobody's (it would wait until the job ends)."""
         self._promoted = threading.Event()
         self._root: Optional[str] = None
         self._lease: Optional[int] = None
@@ -126,6 +133,9 @@ class Waiter:
             time.sleep(self.poll_s)
 
     def _check(self, root: str) -> None:
+        if os.getppid() != self._parent:
+            raise LauncherGone(f"standby {self.token}: its launcher (pid {self._parent}) is gone; nobody would "
+                               "promote it")
         if self.store.get(keys.finished(root)) is not None:
             raise JobFinished(f"the job already finished; standby {self.token} is not needed")
         kv = self.store.get(keys.config(root))

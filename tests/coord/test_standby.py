@@ -109,3 +109,20 @@ def test_a_waiting_spare_notices_the_job_finish():
         w.wait(timeout_s=5)
     w.close()
     assert spares(store, root) == []
+
+
+def test_a_spare_whose_launcher_died_stops_waiting(monkeypatch):
+    """Nobody would promote it: it leaves (the soak kills a whole job, launcher first)."""
+    import os
+
+    from lightning_ft.coord.standby import LauncherGone
+
+    store = MemoryStore()
+    root = _job(store)
+    w = Waiter(store, "/lft", "j", "tag", {}, "s0", ttl_s=0.3)
+    assert w.wait(timeout_s=0.05) is None
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # reparented to init
+    with pytest.raises(LauncherGone, match="launcher"):
+        w.wait(timeout_s=5)
+    w.close()
+    assert spares(store, root) == []
