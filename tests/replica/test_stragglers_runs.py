@@ -18,8 +18,11 @@ from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identi
 
 
 STEPS = os.environ.get("LFT_TEST_STRAGGLER_STEPS", "1500")
-SLOW_AFTER_S = 6.0
-"""How long the straggler stays slow after its first exclusion: the window the rates compare."""
+SLOW_AFTER_S = 12.0
+"""How long the straggler stays slow after its first exclusion: the window the rates compare. It
+spans the first probation (64 rounds), the return (a catch-up and `window` rounds at the
+straggler's pace) and the doubled second probation; 6 s ended inside the return under CI load
+(43 of 112 rounds with the straggler)."""
 
 
 @pytest.mark.timeout(300)
