@@ -423,8 +423,9 @@ class Coordinator:
                     # our report counts for every round (rule 1): a later one may already have us
                     later = self._recorded_with_us(round)
                     if later is not None:
-                        self._adopt(later)
-                        return later
+                        q, taken = self._take(later[1])
+                        if taken:
+                            return q
                 self._publish(step, max(round, self._latest_round()) + 1)
                 started = self._clock()
                 continue
@@ -486,26 +487,26 @@ class Coordinator:
             return q, True
         return q, False
 
-    def _recorded_with_us(self, round: int) -> Optional[Quorum]:
-        """The first round after `round` recorded in etcd whose quorum has us, or None."""
-        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
-        for kv in kvs:
-            if keys.round_of(kv.key) > round and not kv.value.startswith(b'{"halt"'):
-                q = Quorum.from_json(kv.value)
-                if (self.rid, self.incarnation) in q.member_set():
-                    return q
+    def _first_with_us(self, decisions: list[tuple[int, bytes]], after: int) -> Optional[tuple[int, bytes]]:
+        """Of (round, stored decision) pairs in round order: the first after round `after` that
+        has us, or is a halt; None when none does."""
+        for r, raw in decisions:
+            if r > after and (raw.startswith(b'{"halt"')
+                              or (self.rid, self.incarnation) in Quorum.from_json(raw).member_set()):
+                return r, raw
         return None
+
+    def _recorded_with_us(self, round: int) -> Optional[tuple[int, bytes]]:
+        """The first round after `round` recorded in etcd that has us (or a halt), or None."""
+        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
+        return self._first_with_us([(keys.round_of(kv.key), kv.value) for kv in kvs], round)
 
     def _newer_decision(self, round: int) -> Optional[tuple[int, bytes]]:
         """Of the decisions the quorum/ watch delivered for rounds after `round`: the first that
         has us (or a halt), else the newest; None when there are none. The first, so that we
         adopt every round we are a member of, in order, as the others do."""
-        newer = sorted(r for r in list(self._decisions) if r > round)
-        for r in newer:
-            raw = self._decisions[r]
-            if raw.startswith(b'{"halt"') or (self.rid, self.incarnation) in Quorum.from_json(raw).member_set():
-                return r, raw
-        return (newer[-1], self._decisions[newer[-1]]) if newer else None
+        newer = sorted((r, self._decisions[r]) for r in list(self._decisions) if r > round)
+        return self._first_with_us(newer, round) or (newer[-1] if newer else None)
 
     def _adopt(self, q: Quorum) -> None:
         self._before_steady = None
