@@ -11,12 +11,13 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Callable, Optional
+from typing import IO, Callable, Optional
 
 from lightning_ft.coord import keys, standby
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
+from lightning_ft.launch.zygote import Proc, Zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo checkout
 LOOP = os.path.join(ROOT, "examples", "plain_loop.py")
@@ -24,11 +25,14 @@ TEST_SECRET = "localjob-test-secret-0123456789"
 
 
 class Replica:
-    def __init__(self, job: "Job", rid: int, inc: int, standby: str = "", spare_env: Optional[dict] = None) -> None:
+    def __init__(self, job: "Job", rid: int, inc: int, standby: str = "", spare_env: Optional[dict] = None,
+                 zygote: Optional[Zygote] = None) -> None:
         """Replica `rid`'s incarnation `inc`, or (`standby`) a warm spare with that token and
-        `spare_env` (rid and inc are -1 until `Job.promote`)."""
+        `spare_env` (rid and inc are -1 until `Job.promote`); forked by `zygote` (launch/zygote.py)
+        when one is given and ready, else started as new processes."""
         self.rid, self.inc, self.standby = rid, inc, standby
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Proc] = []
+        stdout: Optional[IO[str]] = None
         port = free_port()
         who = {"LFT_STANDBY": standby} if standby else {"LFT_REPLICA_ID": str(rid), "LFT_INCARNATION": str(inc)}
         extra_env = spare_env if standby else job.env.get((rid, inc), {})
@@ -42,11 +46,25 @@ class Replica:
             log = open(os.path.join(job.log_dir, f"{name}.rank{rank}.log"), "w")
             env["LFT_SPAWN_T"] = repr(time.time())  # the restart breakdown's zero (replica/startup.py)
             args = [] if standby else job.extra.get((rid, inc), [])
-            p = subprocess.Popen([sys.executable, LOOP, *job.args, *args], env=env,
-                                 stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
+            cmd = [sys.executable, LOOP, *job.args, *args]
+            if zygote is not None:
+                r, w = os.pipe() if rank == 0 else (-1, log.fileno())
+                forked = zygote.spawn(cmd, env, os.getcwd(), w, log.fileno())
+                if rank == 0:
+                    os.close(w)
+                    if forked is not None:
+                        stdout = os.fdopen(r, "r")
+                    else:
+                        os.close(r)
+                if forked is not None:
+                    self.procs.append(forked)
+                    continue
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True)
+            if rank == 0:
+                stdout = p.stdout
             self.procs.append(p)
-        assert self.procs[0].stdout is not None  # rank 0 writes into a pipe
-        self.out = JsonLines(self.procs[0].stdout)
+        assert stdout is not None  # rank 0 writes into a pipe
+        self.out = JsonLines(stdout)
 
     @property
     def rows(self) -> list[dict]:
@@ -102,9 +120,19 @@ class Job:
         self.store = EtcdStore(etcd)
         self.run_id = "run0"
         self.root = keys.root("/lft", self.name, self.run_id)
+        self.zygote: Optional[Zygote] = None
 
-    def start(self, rid: int, inc: int = 0) -> Replica:
-        r = Replica(self, rid, inc)
+    def open_zygote(self, timeout_s: float) -> float:
+        """Start a zygote (launch/zygote.py) that has imported torch, for `start(..., forked=True)`;
+        returns the seconds its imports took."""
+        self.zygote = Zygote(["torch"], log_path=os.path.join(self.log_dir, "zygote.log"))
+        assert self.zygote.ready.wait(timeout_s), f"the zygote was not ready within {timeout_s}s; see {self.log_dir}"
+        return float(self.zygote.preloaded_s or 0.0)
+
+    def start(self, rid: int, inc: int = 0, forked: bool = False) -> Replica:
+        """Replica `rid`'s incarnation `inc`; `forked`: from the zygote (`open_zygote` first)."""
+        assert not forked or self.zygote is not None, "open_zygote() first"
+        r = Replica(self, rid, inc, zygote=self.zygote if forked else None)
         self.replicas[rid] = r
         self.history.append(r)
         return r
@@ -164,4 +192,6 @@ class Job:
     def close(self) -> None:
         for r in self.history:
             r.kill()
+        if self.zygote is not None:
+            self.zygote.close()
         self.store.close()

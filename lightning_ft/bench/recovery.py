@@ -7,9 +7,12 @@ written as soon as the process is reaped), its restart `--restart-delay` after t
 supervisor's failure.restart_delay_s) and rejoin, then a SIGSTOP of replica
 2 (no eviction: only its lease can expire), SIGCONT and its rejoin; then `--standby-kills`
 SIGKILLs (replicas 1 and 2 in turn), each healed by a warm spare (coord/standby.py) started
-beforehand and promoted as soon as the killed one is reaped. Printed as one JSON line:
+beforehand and promoted as soon as the killed one is reaped; then `--zygote-kills` SIGKILLs,
+each restarted cold but forked from a zygote that imported torch (launch/zygote.py, what
+`lightning-ft run` does with supervisor.zygote). Printed as one JSON line:
     {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s",
      "heal_cold_s", "heal_standby_s", "heal_standby_all_s", "kill_stall_standby_s",
+     "heal_cold_zygote_s", "heal_cold_zygote_all_s", "restart_breakdown_zygote",
      "restart_breakdown": {"total_s", "python", "torch", ...}, "catchup_gbps", "catchup_s", "state_mb", ...}
 heal_cold_s (and each of heal_standby_all_s; heal_standby_s is their median) runs from the
 SIGKILL to the first step row (catch-up or train) of the new incarnation; restart_breakdown
@@ -73,6 +76,24 @@ def _standby_heal(job: Job, k: int, rid: int, a: argparse.Namespace) -> tuple[fl
     return round(first["t"] - t_kill, 3), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4)
 
 
+def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict]:
+    """SIGKILL replica `rid`, evict it, and restart it `--restart-delay` after the kill forked
+    from the zygote (launch/zygote.py: torch already imported), as `lightning-ft run` restarts.
+    Returns (heal: the kill to the new incarnation's first step row, its restart breakdown)."""
+    inc = job.replicas[rid].inc + 1
+    t_kill = time.time()
+    job.replicas[rid].signal(signal.SIGKILL)
+    job.wait_exit(rid)
+    job.evict(rid, "SIGKILL (bench, zygote)")
+    time.sleep(max(0.0, t_kill + a.restart_delay - time.time()))
+    new = job.start(rid, inc=inc, forked=True)
+    first = new.wait_for(lambda x: x.get("event") == "step", a.timeout)
+    breakdown = new.wait_for(lambda x: x.get("event") == "restart_breakdown", a.timeout)
+    back = new.wait_for(lambda x: x.get("event") == "step" and not x["lag"], a.timeout)
+    job.replicas[0].wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
+    return round(first["t"] - t_kill, 3), {"total_s": breakdown["total_s"], **breakdown["parts"]}
+
+
 def run(a: argparse.Namespace) -> dict:
     if a.quick:
         model = ["--dim", "32", "--hidden", "128", "--depth", "2", "--batch", "16"]
@@ -84,6 +105,8 @@ def run(a: argparse.Namespace) -> dict:
         job = Job(etcd.endpoint, tmp, R=3, args=args)
         try:
             job.start_all()
+            if a.zygote_kills:
+                job.open_zygote(a.timeout)  # it imports while the replicas start
             r0 = job.replicas[0]
             r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= a.warmup + 10, a.timeout)
             steady = [x["dt"] for x in r0.steps()[a.warmup:]]
@@ -117,6 +140,7 @@ def run(a: argparse.Namespace) -> dict:
             r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > lag2["t"] + 1, a.timeout)
             rows = r0.steps()
             heals = [_standby_heal(job, k, 1 + k % 2, a) for k in range(a.standby_kills)]
+            forked = [_zygote_heal(job, 1 + k % 2, a) for k in range(a.zygote_kills)]
             return {
                 "bench": "recovery", "replicas": 3, "ttl_s": a.ttl, "state_mb": round(lag1["state_mb"], 1),
                 "step_s": round(step_s, 4),
@@ -128,6 +152,9 @@ def run(a: argparse.Namespace) -> dict:
                 "heal_standby_s": round(statistics.median(h for h, _ in heals), 3) if heals else None,
                 "heal_standby_all_s": [h for h, _ in heals],
                 "kill_stall_standby_s": [st for _, st in heals],
+                "heal_cold_zygote_s": round(statistics.median(h for h, _ in forked), 3) if forked else None,
+                "heal_cold_zygote_all_s": [h for h, _ in forked],
+                "restart_breakdown_zygote": forked[len(forked) // 2][1] if forked else None,
                 "restart_delay_s": a.restart_delay,
                 "restart_breakdown": {"total_s": breakdown["total_s"], **breakdown["parts"]},
                 "catchup_gbps": round(lag1["catchup_gbps"], 3),
@@ -150,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--standby-kills", type=int, default=5,
                    help="then this many SIGKILLs healed by a warm spare each (heal_standby_s: their median)")
+    p.add_argument("--zygote-kills", type=int, default=3,
+                   help="then this many SIGKILLs restarted cold from the zygote (torch imported; "
+                        "heal_cold_zygote_s: their median)")
     a = p.parse_args(argv)
     print(json.dumps(run(a)), flush=True)
     return 0

@@ -258,6 +258,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
                          min_replicas=cfg.min_replicas, seed_from=resume_from or "",
                          wrap=os.environ.get("LFT_REPLICA_WRAP", ""), start_timeout_s=cfg.supervisor.start_timeout_s,
                          exit_timeout_s=cfg.supervisor.exit_timeout_s, standby=cfg.supervisor.standby,
+                         zygote=cfg.supervisor.zygote,
                          resume_wait_s=max(10.0, cfg.etcd.lease_ttl_s + 6.0),
                          env={"LFT_CONFIG": config_path, **keeper.child_env(),
                               **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),

@@ -50,6 +50,7 @@ from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.hang import culprit_rank, diagnose
 from lightning_ft.coord.store import EtcdStore, Store, StoreError
 from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, dump_stack, process_state
+from lightning_ft.launch.zygote import Proc, Zygote, ZygoteProc, default_preload, python_target
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class _Replica:
     incarnation: int = 0
     state: str = "restarting"
     """"running" | "restarting" | "done" | "failed" | "stopped" (after shutdown)."""
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
     """Indexed by local rank; kept after exit so the return codes stay readable."""
     logged_exits: set[int] = field(default_factory=set)
     """Ranks whose clean exit is already in the event log."""
@@ -143,7 +144,7 @@ class _Spare:
     """A warm spare this supervisor started (coord/standby.py)."""
 
     token: str
-    procs: list[subprocess.Popen]
+    procs: list[Proc]
     port: int
     host: str = ""
     """Where it runs: the command prefix it was started with (`wrap`), "" without one."""
@@ -161,7 +162,7 @@ class Supervisor:
                  hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
                  crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
                  start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S,
-                 exit_timeout_s: float = 120.0, standby: int = 0) -> None:
+                 exit_timeout_s: float = 120.0, standby: int = 0, zygote: bool = False) -> None:
         """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
         while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
 
@@ -175,7 +176,13 @@ class Supervisor:
 
         The job's run (coord/runs.py) is opened by `start`: a launcher joins the run another
         launcher of the job (same job id and secret) is running, or starts a new one. A new
-        run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors."""
+        run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors.
+
+        `zygote`: restarts fork from a process that imported torch (and Lightning) once
+        (launch/zygote.py) instead of starting Python afresh; only for `[python, script, ...]`
+        (or `-m module`) commands without a `wrap`. Anything it cannot do starts as before."""
+        self._zygote_wanted = zygote and not wrap and python_target(cmd) is not None
+        self._zygote: Optional[Zygote] = None
         self._wrap = wrap
         if standby < 0:
             raise ValueError(f"standby={standby} must be >= 0")
@@ -240,7 +247,7 @@ class Supervisor:
         self._own_store = store is None
         self._store = store if store is not None else EtcdStore(etcd)
         self._lock = threading.RLock()
-        self._stragglers: list[subprocess.Popen] = []
+        self._stragglers: list[Proc] = []
         """SIGKILLed processes that were not reaped within REAP_TIMEOUT_S; shutdown() retries them."""
         self._started = False
         self._shut_down = False
@@ -273,6 +280,13 @@ class Supervisor:
             for rep in self._replicas.values():
                 self._launch(rep)
             self._top_up_spares()
+            if self._zygote_wanted:  # after the replicas: it imports while they start
+                try:
+                    self._zygote = Zygote(default_preload(python_target(self.cmd)),
+                                          env={**os.environ, **self._extra_env},
+                                          log_path=os.path.join(self.run_dir, "logs", "zygote.log"))
+                except OSError as e:
+                    log.warning("cannot start the zygote (restarts start Python afresh): %s", e)
 
     @property
     def root(self) -> str:
@@ -522,6 +536,8 @@ class Supervisor:
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
+            if self._zygote is not None:
+                self._zygote.close()
             # the wake pipe stays open: a late signal or watch callback may still write to it,
             # and a closed descriptor's number may by then belong to some other file
             if self._hold is not None:
@@ -538,14 +554,16 @@ class Supervisor:
                 os.close(fd)
         rep.procs = []
         rep.host = self._wrap.format(rid=rep.rid) if self._wrap else ""
+        zygote = self._zygote if rep.incarnation > 0 and not rep.host else None
         for rank in range(rep.spec.nproc):
             path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
             try:
                 with open(path, "ab") as out:
+                    env = self._env(rep, rank, port)
+                    forked = zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno()) if zygote else None
                     cmd = shlex.split(rep.host) + self.cmd if rep.host else self.cmd
-                    rep.procs.append(subprocess.Popen(cmd, env=self._env(rep, rank, port), stdout=out,
-                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                      start_new_session=True))
+                    rep.procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                                stdin=subprocess.DEVNULL, start_new_session=True))
             except OSError as e:
                 for p in rep.procs:
                     _signal(p, signal.SIGKILL)
@@ -557,6 +575,9 @@ class Supervisor:
     def _running(self, rep: _Replica, port: int, **more: Any) -> None:
         """Bookkeeping of a replica whose processes (`rep.procs`) were just started or promoted."""
         for p in rep.procs:
+            if isinstance(p, ZygoteProc):  # not our child: readable once the zygote reported its exit
+                self._pidfds[p.pid] = p.exit_fd()
+                continue
             try:
                 self._pidfds[p.pid] = os.pidfd_open(p.pid)
             except (AttributeError, OSError):  # no pidfds here: run() polls
@@ -619,7 +640,7 @@ class Supervisor:
             host = self._wrap.format(rid=template.rid) if self._wrap else ""
             cmd = shlex.split(host) + self.cmd if host else self.cmd
             port = self._free_port()
-            procs: list[subprocess.Popen] = []
+            procs: list[Proc] = []
             try:
                 for rank in range(template.spec.nproc):
                     path = os.path.join(self.run_dir, "logs", f"spare-{token}.rank{rank}.log")
@@ -825,7 +846,7 @@ class Supervisor:
                 self._event(rep, "hang", reason=reason)
                 self._fail(rep, reason)
 
-    def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[subprocess.Popen],
+    def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[Proc],
                        missing_since: float) -> None:
         """A `hang` event that says where replica `rep` hangs (coord/hang.py): its ranks' process
         states and Python stacks, read from outside while it still hangs (launch/stacks.py), and
@@ -1165,7 +1186,7 @@ class Supervisor:
         return restore
 
 
-def _signal(p: subprocess.Popen, sig: int) -> None:
+def _signal(p: Proc, sig: int) -> None:
     """Signal the process group of `p` (its own: it was started in a new session), or `p` alone
     if it left that group. Only while `p` is unreaped, so its PID cannot belong to someone else."""
     if p.returncode is not None:
@@ -1200,20 +1221,20 @@ def _put_report(reports: dict[int, dict[str, Any]], key: str, value: bytes) -> N
         log.warning("ignoring malformed member report %s", key)
 
 
-def _peek(p: subprocess.Popen) -> Optional[int]:
+def _peek(p: Proc) -> Optional[int]:
     """The exit code of `p` (-N for signal N), or None while it runs, without reaping it."""
     if p.returncode is not None:
         return p.returncode
     try:
         info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped elsewhere (Popen.wait); let Popen report it
+    except ChildProcessError:  # reaped elsewhere (Popen.wait), or the zygote's child: let p report it
         return p.poll()
     if info is None:
         return None
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def _wait(p: subprocess.Popen) -> bool:
+def _wait(p: Proc) -> bool:
     """Reap `p` within REAP_TIMEOUT_S; False if it is still there."""
     try:
         p.wait(REAP_TIMEOUT_S)

@@ -494,3 +494,36 @@ def test_standby_is_refused_with_world_restarts(tmp_path):
     with pytest.raises(ValueError, match="world"):
         Supervisor(["true"], replicas=2, nproc_per_replica=1, job="j", etcd="127.0.0.1:1", secret="s",
                    run_dir=str(tmp_path), standby=1, restart="world", store=MemoryStore())
+
+
+def test_restarts_fork_from_the_zygote_exits_are_seen_and_shutdown_kills_their_groups(make, store):
+    """supervisor.zygote (launch/zygote.py): a restarted replica's processes are forked by the
+    zygote, not started afresh; their exits (a signal too) are seen as a started child's, the
+    replica is restarted again the same way, and shutdown kills them and their grandchildren."""
+    sup = make("1:2:1=ignore_term", replicas=2, restart_delay_s=0.1, zygote=True)
+    sup.start()
+    assert sup._zygote is not None
+    wait_for(lambda: sup._zygote.ready.is_set(), 120, "the zygote to import torch", poll=sup.poll)
+    zpid = sup._zygote.proc.pid
+    for inc in (0, 1):  # SIGKILL a rank of replica 1: its next incarnation comes from the zygote
+        pids = status(sup, 1)["pids"]
+        os.kill(pids[1], signal.SIGKILL)
+        back = lambda i=inc: status(sup, 1)["incarnation"] == i + 1 and status(sup, 1)["state"] == "running"  # noqa: E731
+        assert sup.run(until=back, timeout_s=30) == 0
+        wait_for(lambda i=inc: all((make.out / f"r1.i{i + 1}.rank{k}.env.json").exists() for k in (0, 1)), 30,
+                 f"incarnation {inc + 1} to start", poll=sup.poll)
+        new = status(sup, 1)["pids"]
+        assert all(int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == zpid for p in new)
+        assert env_of(make.out, 1, inc + 1, 0)["LFT_INCARNATION"] == str(inc + 1)
+    evs = [e for e in events(make.run_dir, 1) if e["event"] == "exit"]
+    assert [(e["incarnation"], e["rank"], e["code"]) for e in evs] == [(0, 1, -9), (1, 1, -9)]
+    assert store.get(f"{sup.root}evict/1/1").value == b"rank 1 exited with -9"
+    gc_file = make.out / "r1.i2.rank1.grandchild"
+    wait_for(gc_file.exists, 30, "the grandchild", poll=sup.poll)
+    grandchild = int(gc_file.read_text())
+    forked = status(sup, 1)["pids"]
+    sup.shutdown()  # rank 1 ignores SIGTERM: SIGKILL after the grace, to its whole group
+    for pid in forked:
+        assert not Path(f"/proc/{pid}").exists()  # killed and reaped
+    wait_for(lambda: not alive(grandchild), 5, "the grandchild to die")
+    assert sup._zygote.proc.poll() is not None  # the zygote stopped with the supervisor
