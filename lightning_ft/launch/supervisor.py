@@ -583,6 +583,9 @@ class Supervisor:
             except (AttributeError, OSError):  # no pidfds here: run() polls
                 pass
         details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port, **more}
+        forked_by = {p.zygote_pid for p in rep.procs if isinstance(p, ZygoteProc)}
+        if forked_by:  # the processes' parent, rather than this launcher
+            details["zygote_pid"] = min(forked_by)
         if rep.restart_step is not None:
             details["wait_step"] = rep.restart_step
         rep.state = "running"

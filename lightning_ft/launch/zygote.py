@@ -97,6 +97,8 @@ class ZygoteProc:
     def __init__(self, zygote: "Zygote", pid: int) -> None:
         self._zygote = zygote
         self.pid = pid
+        self.zygote_pid = zygote.proc.pid
+        """The process's parent."""
         self.returncode: Optional[int] = None
         self._code: Optional[int] = None
         self._exited = threading.Event()
@@ -352,6 +354,9 @@ def _fresh_state(env: dict[str, str]) -> None:
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()
+    marks = sys.modules.get("lightning_ft.replica.startup")
+    if marks is not None:  # the zygote's own start-up marks are not this program's
+        marks.forked()
     torch = sys.modules.get("torch")
     threads = env.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:

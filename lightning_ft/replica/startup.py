@@ -15,7 +15,10 @@ right before they start the process) or, without it, the kernel's start time of 
     caught_up   the first catch-up's bytes verified and applied
     first_step  the first step committed (trained, or caught up) by this incarnation
 
-A warm spare also marks `promoted` (not a part): its breakdown starts there.
+A warm spare also marks `promoted` (not a part): its breakdown starts there. A process the
+zygote forked (launch/zygote.py) imported Python, torch and Lightning before it existed: its
+marks start empty at the fork (`forked`), so `script` holds the time from the spawn request to
+`fit`, and the event says `"zygote": true`.
 
 A missing mark folds its time into the next one present; parts are never negative (a mark
 earlier than the one before it counts as 0 s), so the parts sum to `total_s`.
@@ -31,6 +34,14 @@ SPAWN_ENV = "LFT_SPAWN_T"
 """Unix time the launcher started this process at (set in the child's environment)."""
 
 _marks: dict[str, float] = {}
+_forked = False
+
+
+def forked() -> None:
+    """This process was forked from the zygote: forget the marks the zygote made."""
+    global _forked
+    _marks.clear()
+    _forked = True
 
 
 def mark(name: str, t: Optional[float] = None) -> None:
@@ -82,4 +93,4 @@ def restart_breakdown(environ: Mapping[str, str] = os.environ) -> dict:
         after = {k: v for k, v in _marks.items() if k in PARTS[PARTS.index("registered"):]}
         return {"spawn_t": t0, "standby": True, **breakdown(t0, after)}
     spawn = spawn_time(environ)
-    return {"spawn_t": spawn, **breakdown(spawn, _marks)}
+    return {"spawn_t": spawn, **({"zygote": True} if _forked else {}), **breakdown(spawn, _marks)}

@@ -55,10 +55,11 @@ def test_kill_and_rejoin_w1_identical_ledger_and_sqrt_lr(tmp_path, etcd_endpoint
     assert all(r["lr"] == pytest.approx(sched_lr(r["step"]), rel=1e-9) for r in back)
     # it trained its slot from where the killed incarnation stopped
     assert run.rows[(1, 0)][-1]["batch"] + 1 == back[0]["batch"]
-    # its start-up in parts, through Lightning (issue 25 §2; the script imports torch first)
+    # its start-up in parts, through Lightning (issue 25 §2): forked from the zygote, which had
+    # imported torch and Lightning, so the parts start at the script
     (bd,) = [e for e in run.events if e["event"] == "restart_breakdown"]
-    assert (bd["replica"], bd["incarnation"]) == (1, 1)
-    assert list(bd["parts"]) == ["torch", "lightning", "script", "setup", "registered", "caught_up", "first_step"]
+    assert (bd["replica"], bd["incarnation"], bd.get("zygote")) == (1, 1, True), bd
+    assert list(bd["parts"]) == ["script", "setup", "registered", "caught_up", "first_step"], bd
     assert all(v >= 0 for v in bd["parts"].values()) and bd["total_s"] > 0
 
 
