@@ -17,7 +17,7 @@ from lightning_ft.coord import keys, standby
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
-from lightning_ft.launch.zygote import Proc, Zygote
+from lightning_ft.launch.zygote import Proc, Zygote, default_preload, python_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo checkout
 LOOP = os.path.join(ROOT, "examples", "plain_loop.py")
@@ -123,9 +123,11 @@ class Job:
         self.zygote: Optional[Zygote] = None
 
     def open_zygote(self, timeout_s: float) -> float:
-        """Start a zygote (launch/zygote.py) that has imported torch, for `start(..., forked=True)`;
-        returns the seconds its imports took."""
-        self.zygote = Zygote(["torch"], log_path=os.path.join(self.log_dir, "zygote.log"))
+        """Start a zygote (launch/zygote.py) that has imported what `lightning-ft run`'s would for
+        the plain loop (`default_preload`), for `start(..., forked=True)`; returns the seconds
+        its imports took."""
+        self.zygote = Zygote(default_preload(python_target([sys.executable, LOOP])),
+                             log_path=os.path.join(self.log_dir, "zygote.log"))
         assert self.zygote.ready.wait(timeout_s), f"the zygote was not ready within {timeout_s}s; see {self.log_dir}"
         return float(self.zygote.preloaded_s or 0.0)
 

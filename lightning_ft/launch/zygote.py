@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,16 +75,21 @@ def _same_python(exe: str) -> bool:
 
 
 def default_preload(target: Optional[tuple[str, str, list[str]]]) -> list[str]:
-    """torch, and Lightning when the script imports it (read from its source)."""
-    mods = ["torch"]
+    """torch with `torch._dynamo` (a torch optimizer's first construction imports it: about as
+    long as torch itself), then what the script's source names: Lightning, and our replica
+    layer for a script that drives it by hand (examples/plain_loop.py). None of them starts a
+    thread at import (the zygote checks)."""
+    mods = ["torch", "torch._dynamo"]
     if target is not None and target[0] == "path":
         try:
             with open(target[1], encoding="utf-8", errors="replace") as f:
                 src = f.read()
         except OSError:
             src = ""
-        if "lightning" in src:
+        if re.search(r"^\s*(?:import|from)\s+lightning\b", src, re.M):  # not lightning_ft
             mods.append("lightning.pytorch")
+        if re.search(r"^\s*(?:import|from)\s+lightning_ft\.replica\b", src, re.M):
+            mods.append("lightning_ft.replica.manager")
     return mods
 
 

@@ -36,14 +36,27 @@ def test_python_target(cmd, want):
     assert python_target(cmd) == want
 
 
-def test_default_preload_adds_lightning_only_for_a_script_that_imports_it(tmp_path):
-    plain, lit = tmp_path / "plain.py", tmp_path / "lit.py"
-    plain.write_text("import torch\n")
-    lit.write_text("import lightning as L\n")
-    assert default_preload(python_target([PY, str(plain)])) == ["torch"]
-    assert default_preload(python_target([PY, str(lit)])) == ["torch", "lightning.pytorch"]
-    assert default_preload(python_target([PY, "-m", "x"])) == ["torch"]
-    assert default_preload(python_target([PY, str(tmp_path / "missing.py")])) == ["torch"]
+@pytest.mark.parametrize("src, more", [
+    ("import torch\n", []),
+    ("import lightning as L\n", ["lightning.pytorch"]),
+    ("from lightning.pytorch import Trainer\n", ["lightning.pytorch"]),
+    ("    import lightning.pytorch as pl\n", ["lightning.pytorch"]),
+    ("import lightning_ft  # registers ft_hsdp\nimport torch\n", []),  # not Lightning
+    ("# uses lightning one day\nx = 'import lightning'\n", []),
+    ("import lightning_ft\nfrom lightning_ft.replica.manager import ReplicaManager\n",
+     ["lightning_ft.replica.manager"]),
+    ("import lightning\nfrom lightning_ft.replica.data import SlotStream\n",
+     ["lightning.pytorch", "lightning_ft.replica.manager"]),
+])
+def test_default_preload_follows_what_the_script_imports(tmp_path, src, more):
+    script = tmp_path / "train.py"
+    script.write_text(src)
+    assert default_preload(python_target([PY, str(script)])) == ["torch", "torch._dynamo", *more]
+
+
+def test_default_preload_without_a_readable_script_is_torch():
+    assert default_preload(python_target([PY, "-m", "x"])) == ["torch", "torch._dynamo"]
+    assert default_preload(python_target([PY, "/nonexistent/train.py"])) == ["torch", "torch._dynamo"]
 
 
 PROG = textwrap.dedent("""
