@@ -1,4 +1,4 @@
-"""Configuration of a lightning-ft job: omegaconf structured configs and override parsing (DESIGN §10).
+"""Configuration of a lightning-ft job: omegaconf structured configs and override parsing (README, "Configuration").
 
 Every knob is a field of a small dataclass with a docstring right below it; `configs/default.yaml`
 lists the same keys with their defaults. A config is built in three layers:
@@ -32,9 +32,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 LR_INTERVENTIONS = ("none", "linear", "sqrt")
 BATCH_POLICIES = ("shrink", "constant")
-"""How the learning rate follows the fraction x = contributors / R of healthy replicas (DESIGN §5)."""
+"""How the learning rate follows the fraction x = contributors / R of healthy replicas
+(docs/ARCHITECTURE.md, "A step")."""
 TRANSPORTS = ("tcp", "rdma", "shm", "auto")
-"""FTAR transports (DESIGN §4): ring links over TCP, RDMA (pyverbs), or shared memory
+"""FTAR transports (docs/ARCHITECTURE.md, "The exchange"): ring links over TCP, RDMA (pyverbs), or shared memory
 between processes of one host; `auto` picks per link (shm on one host, rdma where both
 ends have a verbs device, tcp otherwise)."""
 FAILURE_KINDS = ("kill", "hang", "exception", "corrupt")
@@ -65,7 +66,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class EtcdConfig:
-    """Coordination store (DESIGN §3)."""
+    """Coordination store (docs/ARCHITECTURE.md, "The quorum")."""
 
     endpoint: str = ""
     """etcd address "host:port" (or "https://host:port"; several members separated by commas);
@@ -101,7 +102,7 @@ class EtcdConfig:
 
 @dataclass
 class QuorumConfig:
-    """Quorum formation (DESIGN §3)."""
+    """Quorum formation (docs/ARCHITECTURE.md, "The quorum")."""
 
     init_timeout_s: float = 10.0
     """The first round waits this long for all R replicas, then starts with >= min_replicas."""
@@ -111,7 +112,7 @@ class QuorumConfig:
 
 @dataclass
 class FTARConfig:
-    """Fault-tolerant ring all-reduce across replicas (DESIGN §4)."""
+    """Fault-tolerant ring all-reduce across replicas (docs/ARCHITECTURE.md, "The exchange")."""
 
     transport: str = "tcp"
     """Links between ring neighbours: "tcp"; "shm" (one-sided writes into the neighbour's
@@ -211,7 +212,7 @@ class SupervisorConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Persistent sharded checkpoints for whole-job restarts (DESIGN §8)."""
+    """Persistent sharded checkpoints for whole-job restarts (docs/ARCHITECTURE.md, "Checkpoints")."""
 
     every_n_steps: int = 100
     """Write a checkpoint every this many committed steps; 0 = never."""
@@ -255,7 +256,7 @@ class FailureEvent:
 
 @dataclass
 class FailureConfig:
-    """Failure-injection schedule, for tests and demos (DESIGN §9)."""
+    """Failure-injection schedule, for tests and demos (docs/ARCHITECTURE.md, "Launch and supervision")."""
 
     events: list[FailureEvent] = field(default_factory=list)
     """Scheduled failures, e.g. [{replica: 1, step: 50, kind: kill}]."""
@@ -275,7 +276,7 @@ class FailureConfig:
 
 @dataclass
 class FTConfig:
-    """A fault-tolerant HSDP job: R replicas of W ranks each (DESIGN §1)."""
+    """A fault-tolerant HSDP job: R replicas of W ranks each (docs/ARCHITECTURE.md, "Module map")."""
 
     job: str = "lft"
     """Job id; names the etcd keyspace and is checked in every FTAR handshake."""

@@ -1,4 +1,4 @@
-"""Run reports (DESIGN §11): `lightning-ft report RUN_DIR`.
+"""Run reports: `lightning-ft report RUN_DIR`.
 
 Reads what a run leaves in its directory:
 - `events.jsonl` (the launcher: start, exit, evict, restart),

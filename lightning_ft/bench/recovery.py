@@ -1,4 +1,5 @@
-"""Recovery stalls of the replica core: 3 replicas of the plain loop (DESIGN §5, §6).
+"""Recovery stalls of the replica core: 3 replicas of the plain loop (docs/ARCHITECTURE.md,
+"A step" and "Catch-up").
 
     python -m lightning_ft.bench.recovery [--quick] [--ttl 2]
 

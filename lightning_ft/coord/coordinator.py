@@ -1,5 +1,5 @@
 """A replica leader's view of the job in etcd: registration, leases, reports, the per-round
-quorum, evictions and failure watches (DESIGN §3).
+quorum, evictions and failure watches (docs/ARCHITECTURE.md, "The quorum").
 
 Only replica leaders (local rank 0) talk to etcd; they fan the quorum out to their ranks.
 

@@ -108,7 +108,7 @@ class Report:
     fingerprint: Mapping[str, object] = field(default_factory=dict)
     """Job settings every replica must agree on (config.fingerprint)."""
     cursor: int = 0
-    """Next batch index of this replica's data slot (DESIGN §7)."""
+    """Next batch index of this replica's data slot (docs/ARCHITECTURE.md, "Exactly once")."""
     ring_ok: bool = True
     """False after a failed exchange: the ring must be rebuilt even if membership is unchanged."""
     gen: int = 0

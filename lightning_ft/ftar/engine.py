@@ -1,4 +1,4 @@
-"""FTAR engine: one fault-tolerant ring all-reduce endpoint per rank (DESIGN §4).
+"""FTAR engine: one fault-tolerant ring all-reduce endpoint per rank (docs/ARCHITECTURE.md, "The exchange").
 
 The training thread calls `allreduce(tensors)` and gets a `Work`; one CPU control thread
 runs the ring schedule (ring.py) over this epoch's two links (transport/: tcp, shm, rdma;

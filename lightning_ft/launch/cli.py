@@ -1,4 +1,4 @@
-"""The `lightning-ft` command (DESIGN §9).
+"""The `lightning-ft` command (docs/ARCHITECTURE.md, "Launch and supervision").
 
     lightning-ft run --replicas R --nproc-per-replica W [--etcd HOST:PORT[,...] | --etcd-members N] [--config cfg.yaml]
                      [--replica-ids 0,1] [--run-dir DIR] [--no-status] script.py [script args] [key=value ...]
@@ -28,7 +28,8 @@
 
 Multi-node: run `lightning-ft etcd --host 0.0.0.0` (or use your own etcd) and start one
 `lightning-ft run --etcd HOST:PORT --replica-ids ...` per node with the same job settings,
-or start each replica's processes with torchrun/srun and the LFT_* variables of DESIGN §9.
+or start each replica's processes with torchrun/srun and the LFT_* variables
+(docs/ARCHITECTURE.md, "Launchers").
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Non-blocking catch-up transport: a healthy rank serves its state shard, a lagging rank fetches it (DESIGN §6).
+"""Non-blocking catch-up transport: a healthy rank serves its state shard, a lagging rank fetches it
+(docs/ARCHITECTURE.md, "Catch-up").
 
 Each training rank of a healthy replica runs one `StateServer` (`catchup_server.py`). At the
 start of a round with lagging replicas, the training thread snapshots the shard's CPU tensors

@@ -1,4 +1,4 @@
-"""Persistent checkpoints (DESIGN §8): manifest and verification, pruning, async writes that
+"""Persistent checkpoints (docs/ARCHITECTURE.md, "Checkpoints"): manifest and verification, pruning, async writes that
 do not block on storage, and a whole-job restart that is bitwise equal to an uninterrupted
 run, skipping a corrupted and a partial checkpoint with warnings that name them."""
 from __future__ import annotations

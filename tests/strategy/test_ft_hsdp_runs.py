@@ -1,5 +1,5 @@
 """`Trainer(strategy="ft_hsdp")` end to end: real replica processes under `lightning-ft run`,
-SIGKILLed and restarted, against a real etcd. Invariants checked (DESIGN §5): replicas end
+SIGKILLed and restarted, against a real etcd. Invariants checked (docs/ARCHITECTURE.md, "A step"): replicas end
 bitwise identical, the exactly-once ledger is complete, Lightning's counters and LR
 schedules are counted once per committed step."""
 from __future__ import annotations

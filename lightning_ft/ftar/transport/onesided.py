@@ -1,4 +1,4 @@
-"""The one-sided ring protocol shared by the shm and rdma links (DESIGN §4).
+"""The one-sided ring protocol shared by the shm and rdma links (docs/ARCHITECTURE.md, "The exchange").
 
 A sender writes chunk j of a ring step into the receiver's slot j (header area + payload)
 with an immediate (epoch, seq, step, chunk), once it holds slot j's credit; the receiver
