@@ -649,10 +649,6 @@ class Coordinator:
             self._last_reason = reason
             log.info("replica %d: %s", self.rid, reason)
 
-    @property
-    def last_reason(self) -> str:
-        return self._last_reason
-
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self, revoke: bool = True) -> None:
         """Stop the threads; with `revoke`, leave the job at once (a clean exit)."""
