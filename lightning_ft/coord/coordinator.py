@@ -35,7 +35,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import keys
 from .addresses import AddressBook, Addresses, encode_blocks, publish as publish_addresses
-from .quorum import Decision, History, JobSpec, Quorum, Report, compute_quorum, fingerprint_diff, waiting_for
+from .quorum import (Decision, Halt, History, JobSpec, Quorum, Report, compute_quorum, decode_round, fingerprint_diff,
+                     waiting_for)
 from .store import Event, LeaseExpired, Store, StoreError
 from lightning_ft.threads import Thread
 
@@ -402,8 +403,8 @@ class Coordinator:
                 decision = self._evaluate(round, now - started)
                 self._log_reason(decision.reason)
                 if decision.quorum is not None or decision.halt:
-                    raw = decision.quorum.to_json() if decision.quorum is not None else json.dumps(
-                        {"halt": decision.halt, "round": round}).encode()
+                    raw = decision.quorum.to_json() if decision.quorum is not None else \
+                        Halt(decision.halt, round).to_json()
                     if self.store.create(self._round_key(round), raw):
                         self._decided(round, decision)
                     else:  # someone else decided first: theirs stands
@@ -459,7 +460,8 @@ class Coordinator:
             kv = self.store.get(self._round_key(q.round))
         except StoreError:
             return
-        if kv is not None and not kv.value.startswith(b'{"halt"') and Quorum.from_json(kv.value).steady:
+        recorded = decode_round(kv.value) if kv is not None else None
+        if isinstance(recorded, Quorum) and recorded.steady:
             return  # the round is recorded as the steady round that failed: it is over, go on to the next
         self._current = self._before_steady
         self._next_round = q.round
@@ -479,9 +481,9 @@ class Coordinator:
     def _take(self, raw: bytes) -> tuple[Quorum, bool]:
         """A stored decision: raise JobHalted for a halt; else (its quorum, whether we are in it
         and adopted it)."""
-        if raw.startswith(b'{"halt"'):
-            raise JobHalted(json.loads(raw)["halt"])
-        q = Quorum.from_json(raw)
+        q = decode_round(raw)
+        if isinstance(q, Halt):
+            raise JobHalted(q.reason)
         if (self.rid, self.incarnation) in q.member_set():
             self._adopt(q)
             return q, True
@@ -491,8 +493,10 @@ class Coordinator:
         """Of (round, stored decision) pairs in round order: the first after round `after` that
         has us, or is a halt; None when none does."""
         for r, raw in decisions:
-            if r > after and (raw.startswith(b'{"halt"')
-                              or (self.rid, self.incarnation) in Quorum.from_json(raw).member_set()):
+            if r <= after:
+                continue
+            d = decode_round(raw)
+            if isinstance(d, Halt) or (self.rid, self.incarnation) in d.member_set():
                 return r, raw
         return None
 
@@ -552,8 +556,8 @@ class Coordinator:
     def latest_quorum(self) -> Optional[Quorum]:
         """The newest decided quorum in the store (any leader's), or None before the first."""
         kvs, _ = self.store.get_prefix(keys.quorum(self._root))
-        kvs = [kv for kv in kvs if not kv.value.startswith(b'{"halt"')]
-        return Quorum.from_json(kvs[-1].value) if kvs else None
+        quorums = [q for q in map(decode_round, (kv.value for kv in kvs)) if isinstance(q, Quorum)]
+        return quorums[-1] if quorums else None
 
     def _latest_round(self) -> int:
         kvs, _ = self.store.get_prefix(keys.quorum(self._root))
@@ -576,8 +580,8 @@ class Coordinator:
             previous = self._current  # ours, possibly a steady round not yet recorded in etcd
         else:
             prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
-            previous = Quorum.from_json(prev_kv.value) if prev_kv and not prev_kv.value.startswith(b'{"halt"') \
-                else None
+            recorded = decode_round(prev_kv.value) if prev_kv else None
+            previous = recorded if isinstance(recorded, Quorum) else None
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
 

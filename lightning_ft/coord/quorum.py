@@ -240,6 +240,26 @@ class Quorum:
 
 
 @dataclass(frozen=True)
+class Halt:
+    """The decision that ends the job instead of a quorum (no majority of replica states agreed):
+    stored under `quorum/{round}` like one."""
+
+    reason: str
+    round: int
+
+    def to_json(self) -> bytes:
+        return json.dumps({"halt": self.reason, "round": self.round}).encode()
+
+
+def decode_round(raw: bytes) -> "Quorum | Halt":
+    """A `quorum/{round}` record, the one decoder of it: the decided quorum, or the halt."""
+    if raw.startswith(b'{"halt"'):
+        d = json.loads(raw)
+        return Halt(str(d["halt"]), int(d.get("round", -1)))
+    return Quorum.from_json(raw)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """The parts of the job config the decision needs."""
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_ft.coord.quorum import JobSpec, Quorum, Report, compute_quorum, fingerprint_diff
+from lightning_ft.coord.quorum import Halt, JobSpec, Quorum, Report, compute_quorum, decode_round, fingerprint_diff
 
 FP = {"job": "j", "replicas": 3, "nproc_per_replica": 1}
 JOB = JobSpec(replicas=3, min_replicas=1, init_timeout_s=10.0, fingerprint=FP)
@@ -182,6 +182,15 @@ def test_json_roundtrip():
     assert Quorum.from_json(q.to_json()) == q
     r = rep(1, 3, 4)
     assert Report.from_json(r.to_json()) == r
+
+
+def test_a_round_record_decodes_to_its_quorum_or_its_halt():
+    q = decide(0, [rep(0), rep(1), rep(2)]).quorum
+    assert decode_round(q.to_json()) == q
+    h = Halt("no majority of replica states agreed at step 7", 12)
+    assert h.to_json().startswith(b'{"halt"')  # the record's shape stays what older launchers read
+    assert decode_round(h.to_json()) == h
+    assert decode_round(b'{"halt": "x"}') == Halt("x", -1)
 
 
 @pytest.mark.parametrize("seed", range(300))
