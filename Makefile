@@ -46,8 +46,9 @@ test-slow: venv
 
 # 100+ mixed faults (kill, hang, exception, link cut, whole-job kill + --resume, etcd leader kill), >= 10%
 # overlapping, against 3 replicas of examples/train_lm.py; prints one {"bench": "soak", ...} line
+# SOAK_ARGS="--standby 1": the same soak without and with a warm spare, ETTs side by side
 soak: venv
-	$(BIN)/python -m lightning_ft.bench.soak --faults 100
+	$(BIN)/python -m lightning_ft.bench.soak --faults 100 $(SOAK_ARGS)
 
 # 3 replicas of examples/train_lm.py; one is killed mid-run and rejoins (about 1.5 min here)
 demo: venv

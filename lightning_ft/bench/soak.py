@@ -1,6 +1,6 @@
 """`make soak`: many mixed, overlapping faults against 3 replicas of examples/train_lm.py.
 
-    python -m lightning_ft.bench.soak [--faults 100] [--replicas 3] [--overlap 0.15] [--seed 0]
+    python -m lightning_ft.bench.soak [--faults 100] [--replicas 3] [--overlap 0.15] [--seed 0] [--standby N]
                                       [--kinds kill,hang,exception,link,job,etcd] [--set KEY=VALUE ...]
 
 Faults land at random moments chosen from outside (never at step boundaries by design),
@@ -292,12 +292,6 @@ def heals(run_dir: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_ft.bench import netns
-    from lightning_ft.coord.runs import recorded_root
-    from lightning_ft.coord.etcd_server import EtcdCluster
-    from lightning_ft.coord.store import EtcdStore
-    from lightning_ft.replica.data import read_cursors, verify_ledger
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--faults", type=int, default=100)
     p.add_argument("--replicas", type=int, default=3)
@@ -312,10 +306,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default="", help="keep the run directory here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the job, after the soak's own (repeatable)")
+    p.add_argument("--standby", type=int, default=0,
+                   help="N > 0: soak twice with this seed, without spares and then with N warm spares "
+                        "(supervisor.standby), and print both ETTs side by side")
     a = p.parse_args(argv)
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the finally below kills the job by PID
     # and deletes the namespaces and the etcd cluster instead of leaving them behind.
     signal.signal(signal.SIGTERM, _interrupt)
+    if a.standby <= 0:
+        return _soak(a)[0]
+    rows, rc = {}, 0
+    for n in (0, a.standby):  # the same faults at the same moments: only the spares differ
+        log(f"soak with supervisor.standby={n}")
+        b = argparse.Namespace(**{**vars(a), "set": [*a.set, f"supervisor.standby={n}"],
+                                  "keep": f"{a.keep}.standby{n}" if a.keep else ""})
+        code, rows[n] = _soak(b)
+        rc = rc or code
+    print(json.dumps({"bench": "soak_standby", "seed": a.seed, "standby": a.standby,
+                      "ett": rows[0].get("ett"), "ett_standby": rows[a.standby].get("ett"),
+                      **{f"{k}{sfx}": rows[n].get(k) for n, sfx in ((0, ""), (a.standby, "_standby"))
+                         for k in ("lost_batches", "duplicate_batches", "identical", "faults", "wall_s")},
+                      "ok": rc == 0}), flush=True)
+    return rc
+
+
+def _soak(a: argparse.Namespace) -> tuple[int, dict]:
+    """One soak: its exit code (0: every check held) and its printed line."""
+    from lightning_ft.bench import netns
+    from lightning_ft.coord.runs import recorded_root
+    from lightning_ft.coord.etcd_server import EtcdCluster
+    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.replica.data import read_cursors, verify_ledger
+
+    row: dict = {}
     kinds = [k for k in a.kinds.split(",") if k]
     if "link" in kinds and netns.skip_reason():
         log(f"link cuts left out: {netns.skip_reason()}")
@@ -437,17 +460,18 @@ def main(argv: list[str] | None = None) -> int:
             ett = report(run_dir).get("ett")
         except Exception as e:  # the soak's figures do not depend on the report
             log(f"report failed: {e}")
-        print(json.dumps({"bench": "soak", "seed": a.seed, "faults": injected, "planned_faults": a.faults,
-                          "overlapping": overlapping,
-                          "lost_batches": len(rep.gaps), "duplicate_batches": len(rep.duplicates),
-                          "conflicts": len(rep.conflicts), "rewinds": len(rep.rewinds), "identical": identical,
-                          "at_end": len(finals),
-                          "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
-                          "superseded": rep.superseded, "heals": heals(run_dir), "by_kind": by_kind,
-                          "launches": job.launches,
-                          "launcher_rc": job.launcher.returncode, "timed_out": timed_out,
-                          "halted": bool(halted), **({"halt_reason": halted} if halted else {}),
-                          "wall_s": round(wall, 1)}), flush=True)
+        row = {"bench": "soak", "seed": a.seed, "faults": injected, "planned_faults": a.faults,
+               "overlapping": overlapping,
+               "lost_batches": len(rep.gaps), "duplicate_batches": len(rep.duplicates),
+               "conflicts": len(rep.conflicts), "rewinds": len(rep.rewinds), "identical": identical,
+               "at_end": len(finals),
+               "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
+               "superseded": rep.superseded, "heals": heals(run_dir), "by_kind": by_kind,
+               "launches": job.launches,
+               "launcher_rc": job.launcher.returncode, "timed_out": timed_out,
+               "halted": bool(halted), **({"halt_reason": halted} if halted else {}),
+               "wall_s": round(wall, 1)}
+        print(json.dumps(row), flush=True)
         if injected < a.faults:
             log(f"only {injected} of {a.faults} faults landed before the fault-free tail (raise --steps)")
         ok = (not timed_out and not halted and injected >= a.faults and identical and not rep.gaps
@@ -458,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_dir = tmp
             log(f"the soak failed; its run directory is kept at {run_dir} (events.jsonl, launcher.*.log, logs/), "
                 f"etcd's data at {os.path.join(tmp, 'etcd')}")
-        return 0 if ok else 1
+        return (0 if ok else 1), row
     finally:
         job.kill_all()
         if net is not None:
