@@ -259,9 +259,14 @@ class _Fetch:
             raise CatchupError(f"{self.where} failed: part {s.part.index}/{s.part.count} announces "
                                f"{s.body.remaining - MAC_BYTES} tensor bytes, the layout {s.hi - s.lo}; not a "
                                f"lightning-ft state server of this version")
-        for i, a, b in pieces(self.sizes, s.lo, s.hi):
-            self.written = True  # from here on the destination is being overwritten
-            _read_exact(s.body, self.views[i][a:b], self.where, f"tensor {self.names[i]!r}", s.mac)
+        before = s.body.remaining
+        try:
+            for i, a, b in pieces(self.sizes, s.lo, s.hi):
+                _read_exact(s.body, self.views[i][a:b], self.where, f"tensor {self.names[i]!r}", s.mac)
+        finally:
+            # every body byte read from here on went into the destination: a server that died
+            # before the first one left it as it was (the fetch may be retried, not restarted)
+            self.written |= s.body.remaining < before
         got = bytearray(MAC_BYTES)
         _read_exact(s.body, memoryview(got), self.where, "the body MAC")
         if not hmac.compare_digest(s.mac.finalize(), bytes(got)):

@@ -561,3 +561,52 @@ class _Inline:
 
     def join(self, timeout=None) -> None:
         pass
+
+
+def _truncating_proxy(upstream: str, tensor_bytes: int) -> tuple[str, threading.Thread]:
+    """A proxy for one request that passes the response through the header MAC and then only
+    `tensor_bytes` bytes of the body before it closes: a healthy rank that died while serving."""
+    from lightning_ft.replica.catchup_wire import MAC_BYTES
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    host, port = upstream.split(":")
+
+    def serve() -> None:
+        client, _ = lsock.accept()
+        with client, socket.create_connection((host, int(port)), timeout=5) as up:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += client.recv(1 << 16)
+            up.sendall(request)
+            raw, cut = b"", None
+            while cut is None or len(raw) < cut:
+                chunk = up.recv(1 << 16)
+                assert chunk, "the server closed first"
+                raw += chunk
+                head = raw.find(b"\r\n\r\n")
+                if cut is None and head >= 0 and len(raw) >= head + 4 + 8:
+                    hlen = int.from_bytes(raw[head + 4:head + 12], "big")
+                    cut = head + 4 + 8 + hlen + MAC_BYTES + tensor_bytes
+            client.sendall(raw[:cut])
+        lsock.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"127.0.0.1:{lsock.getsockname()[1]}", t
+
+
+@pytest.mark.parametrize("tensor_bytes", [0, 100])
+def test_a_source_that_dies_before_the_first_tensor_byte_leaves_the_fetch_retryable(server, tensor_bytes):
+    """The connection closes after the authenticated header: with no tensor byte received the
+    destination is untouched and the fetch is not `partial` (the replica may retry it); one
+    received byte makes it partial (the replica must restart fresh)."""
+    state = {"w": torch.randn(1 << 12)}
+    server.publish(4, state, {"step": 4})
+    address, t = _truncating_proxy(server.address, tensor_bytes)
+    into = {"w": torch.full((1 << 12,), 7.0)}
+    with pytest.raises(CatchupError, match="body truncated in tensor 'w'") as e:
+        fetch_state(address, 4, into, SECRET, "r1/rank0", streams=1, timeout_s=5)
+    t.join(5)
+    assert e.value.partial == (tensor_bytes > 0)
+    untouched = torch.equal(into["w"], torch.full((1 << 12,), 7.0))
+    assert untouched == (tensor_bytes == 0)
