@@ -777,8 +777,8 @@ class Supervisor:
             reason = f"rank {rank} exited with {code}"
             self._fail(rep, reason + (f" ({rep.kill_reason})" if rep.kill_reason else ""), code=code, rank=rank)
             return
-        for rank, code in enumerate(codes):
-            if code == 0 and rank not in rep.logged_exits:
+        for rank, peeked in enumerate(codes):
+            if peeked == 0 and rank not in rep.logged_exits:
                 rep.procs[rank].wait()
                 rep.logged_exits.add(rank)
                 self._event(rep, "exit", rank=rank, code=0, pid=rep.procs[rank].pid)
@@ -837,7 +837,7 @@ class Supervisor:
                     rep.diagnosis = threading.Thread(target=self._diagnose_hang, name=f"lft-hang-r{rep.rid}",
                                                      args=(rep, rep.incarnation, list(rep.procs), now), daemon=True)
                     rep.diagnosis.start()
-            elif rep.member_seen and now - rep.missing_since >= self.hang_grace_s:
+            elif rep.member_seen and rep.missing_since is not None and now - rep.missing_since >= self.hang_grace_s:
                 if self._left_cleanly(rep):  # it revoked its lease on the way out: wait for the exit code
                     self._check_exit(rep, f"incarnation {rep.incarnation} left the job (left/{rep.rid}/"
                                           f"{rep.incarnation}) but rank 0 (pid {rep.procs[0].pid}) still runs")
@@ -1104,7 +1104,7 @@ class Supervisor:
         if reports is None:
             return False
         others = {rid: r for rid, r in reports.items() if rid != rep.rid}
-        return not others or self._job_step(reports) >= rep.restart_step
+        return not others or (rep.restart_step is not None and self._job_step(reports) >= rep.restart_step)
 
     def _committed_step(self, rep: _Replica) -> Optional[int]:
         """The steps a replica that exited cleanly committed: its `final.json` (strategy/runlog.py)

@@ -92,7 +92,7 @@ def finish(mgr: Any, linger_s: float) -> None:
     """This replica trained to the end (every rank calls it): serve the final state, record
     `finished` and `done`, and linger while a member that is behind may still fetch it."""
     others = _others(mgr)
-    if others and mgr.server is not None:
+    if others and mgr.started:
         expected = {f"{r}/{k}" for r, _ in others for k in range(mgr.world)}
         mgr.server.publish(mgr.step, mgr.state_tensors(), mgr._meta(), expected)
     if mgr.is_leader:

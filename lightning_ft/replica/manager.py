@@ -36,7 +36,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -151,6 +151,18 @@ class StepResult:
     loss: Any = None
 
 
+_T = TypeVar("_T")
+
+
+def _opened(part: Optional[_T], what: str) -> _T:
+    """A part `ReplicaManager.start` opens, or a clear error where it is read before then (or on
+    a rank that has none)."""
+    if part is None:
+        raise RuntimeError(f"ReplicaManager.{what} is not open: start() opens it (the store and "
+                           f"the coordinator on the replica's leader rank only)")
+    return part
+
+
 class ReplicaManager:
     """One per rank. The leader (rank 0 of the replica) also owns the Coordinator."""
 
@@ -220,11 +232,12 @@ class ReplicaManager:
         """When the previous `run_step` / `prepare` returned: where the next step's compute starts."""
         self._t_ready: Optional[float] = None
         self._clean = True
-        self._coord_kw = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s, poll_interval_s=poll_interval_s)
+        self._coord_kw: dict[str, Any] = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s,
+                                              poll_interval_s=poll_interval_s)
         self.hang_timeout_s = hang_timeout_s
         self.hang_report_after_s = hang_report_after_s
         """An exchange waiting this long is reported, with its FTAR link counters (`_report_stall`)."""
-        self._ftar_kw = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
+        self._ftar_kw: dict[str, Any] = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
                              connect_timeout_s=ftar_connect_timeout_s, bind_host=bind_host,
                              start_timeout_s=hang_timeout_s, transport=transport)
         self.bind_host, self.advertise_host = bind_host, advertise_host
@@ -246,10 +259,10 @@ class ReplicaManager:
         """(round, epoch) of the round that made our state: the last commit, or the sync round
         we adopted in or were the source of (reported; quorum rule 8, provenance)."""
         self.cursor = 0
-        self.coord: Optional[Coordinator] = None
-        self.ftar: Optional[FTAR] = None
-        self.server: Optional[StateServer] = None
-        self.buckets: Optional[GradBuckets] = None
+        self._coord: Optional[Coordinator] = None
+        self._ftar: Optional[FTAR] = None
+        self._server: Optional[StateServer] = None
+        self._buckets: Optional[GradBuckets] = None
         self._epoch = -1
         self._rank_addrs: list[str] = []
         self._peers_epoch = -1
@@ -344,9 +357,45 @@ class ReplicaManager:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    # What `start` opens (the store: the leader's only). Read before it, they raise instead of
+    # handing None on; `started` says whether they exist (close, and tests that build a part).
     @property
     def store(self) -> Store:
-        return self._store
+        return _opened(self._store, "store (the leader's etcd client)")
+
+    @property
+    def coord(self) -> Coordinator:
+        return _opened(self._coord, "coord (the leader's coordinator)")
+
+    @coord.setter
+    def coord(self, coord: Coordinator) -> None:
+        self._coord = coord
+
+    @property
+    def ftar(self) -> FTAR:
+        return _opened(self._ftar, "ftar")
+
+    @property
+    def server(self) -> StateServer:
+        return _opened(self._server, "server (the state server)")
+
+    @server.setter
+    def server(self, server: StateServer) -> None:
+        self._server = server
+
+    @property
+    def buckets(self) -> GradBuckets:
+        """The exchange buffer of the optimizer this round steps."""
+        return _opened(self._buckets, "buckets")
+
+    @buckets.setter
+    def buckets(self, buckets: GradBuckets) -> None:
+        self._buckets = buckets
+
+    @property
+    def started(self) -> bool:
+        """`start` opened FTAR, the state server and the exchange buffers."""
+        return self._ftar is not None and self._server is not None and self._buckets is not None
 
     # -- setup ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -366,8 +415,8 @@ class ReplicaManager:
         from lightning_ft import ops
 
         ops.set_num_programs(self.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
-        self.ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
-        self.server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")
+        self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
+        self._server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
         addrs = self._gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
@@ -389,8 +438,7 @@ class ReplicaManager:
 
         waiter = None
         if self.is_leader:
-            assert self._store is not None
-            waiter = Waiter(self._store, self.prefix, self.job, secret_tag(self.secret, self.job),
+            waiter = Waiter(self.store, self.prefix, self.job, secret_tag(self.secret, self.job),
                             self.spec.fingerprint, self.standby, host=host, world=self.world, run_id=self.run_id,
                             ttl_s=float(self._coord_kw["lease_ttl_s"]))
         try:
@@ -409,19 +457,19 @@ class ReplicaManager:
 
     def _register(self, addrs: list) -> tuple[str, int, int]:
         """Leader: join (or start) the job's run, then register with the coordinator."""
-        hold = RunHold(self._store, ttl_s=30.0, keepalive=False)  # until our members/ key exists
+        hold = RunHold(self.store, ttl_s=30.0, keepalive=False)  # until our members/ key exists
         try:
-            run = open_run(self._store, self.prefix, self.job, secret_tag(self.secret, self.job), hold,
+            run = open_run(self.store, self.prefix, self.job, secret_tag(self.secret, self.job), hold,
                            want=self.run_id, first=self.incarnation == 0)
             log.info("replica %d: %s", self.rid, run.reason)
             self.run_id, self.root = run.run_id, keys.root(self.prefix, self.job, run.run_id)
-            self.coord = Coordinator(self._store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
+            self.coord = Coordinator(self.store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
                                      run=self.run_id, on_failure=self._on_failure, on_event=self.event,
                                      **self._coord_kw)
             # A new process holds an initial state or the resume's checkpoint: both belong to the
             # ledger's newest generation.
-            self.gen = ledger.latest_gen(self._store, self.root)
-            self.cursor = ledger.read_cursor(self._store, self.root, self.rid, self.gen)
+            self.gen = ledger.latest_gen(self.store, self.root)
+            self.cursor = ledger.read_cursor(self.store, self.root, self.rid, self.gen)
             self.coord.register(self.step, addrs=[a for a, _ in addrs], state_addrs=[s for _, s in addrs],
                                 gen=self.gen, synced=self.synced, cursor=self.cursor)
         finally:
@@ -465,8 +513,8 @@ class ReplicaManager:
         exchange at once on this rank and, through their FTAR listeners, on our other ranks."""
         why = f"replica {rid} {reason}"
         epoch = self._epoch
-        if self.ftar is not None:
-            self.ftar.abort(why)
+        if self._ftar is not None:
+            self._ftar.abort(why)
         for addr in self._rank_addrs[1:]:
             threading.Thread(target=self._abort_rank, args=(addr, why, epoch), daemon=True).start()
 
@@ -515,7 +563,7 @@ class ReplicaManager:
             try:
                 self.flush_ledger()  # the previous steps' records precede our report for this one
                 if self._cursor_stale:  # a failed commit: others may have committed our batch
-                    self.cursor = max(self.cursor, ledger.read_cursor(self._store, self.root, self.rid, self.gen))
+                    self.cursor = max(self.cursor, ledger.read_cursor(self.store, self.root, self.rid, self.gen))
                     self._cursor_stale = False
                 state = self._report_state(digest)
                 q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
@@ -523,7 +571,7 @@ class ReplicaManager:
                 if adopt_role(q, self.rid) == "catchup":
                     # Read after the decision: the contributors recorded the previous step
                     # (possibly with our batch, if we failed to commit it) before reporting.
-                    self.cursor = ledger.read_cursor(self._store, self.root, self.rid, q.gen)
+                    self.cursor = ledger.read_cursor(self.store, self.root, self.rid, q.gen)
                 msg = (q, self.cursor)
             except Exception as e:  # Evicted, QuorumTimeout, JobHalted, StoreError: every rank must exit
                 msg = e
@@ -616,6 +664,7 @@ class ReplicaManager:
     def _scatter(self, objs: Optional[list]) -> Any:
         """Rank r's item of the leader's `objs` (all ranks call it; others pass None)."""
         if self.pg is None and self.world == 1:
+            assert objs is not None  # one rank: the leader's
             return objs[0]
         out = [None]
         dist.scatter_object_list(out, objs if self.is_leader else None, src=0, group=self.pg)
@@ -897,7 +946,7 @@ class ReplicaManager:
     def _send_bucket(self, view: torch.Tensor, plan: StepPlan) -> Any:
         return self.ftar.allreduce([view], divisor=float(plan.divisor))
 
-    def exchange(self, plan: StepPlan, save_grads: bool = False) -> bool:
+    def exchange(self, plan: StepPlan, save_grads: bool = False) -> int:
         """Average gradients over the contributors through FTAR (lagging: zeros, and catch up
         meanwhile). Returns this rank's vote. With `save_grads`, a contributor keeps a copy of
         its local gradients for `restore_grads` (a retry without recomputation). Buckets that
@@ -912,7 +961,7 @@ class ReplicaManager:
         nbytes = self.buckets.nbytes
         start = time.monotonic()
         deadline = start + self.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
-        stall_at = start + self.hang_report_after_s if self.coord is not None else None
+        stall_at = start + self.hang_report_after_s if self._coord is not None else None
         try:
             for work in works:  # bounded by the engine's own deadlines; this guards a stuck engine
                 if stall_at is not None and not work.wait_done(max(0.0, stall_at - time.monotonic())):
@@ -1039,7 +1088,8 @@ class ReplicaManager:
         if plan.role == "source":
             rw = q.rewind or {}
             if rw.get("checkpoint"):
-                vote, cursors = self._load_rewind_checkpoint(str(rw["checkpoint"]), int(rw["checkpoint_step"]))
+                at = int(cast(int, rw["checkpoint_step"]))
+                vote, cursors = self._load_rewind_checkpoint(str(rw["checkpoint"]), at)
             if vote == OK and rw and self.is_leader:
                 self._start_generation(q, cursors)
             if vote == OK:
@@ -1057,7 +1107,7 @@ class ReplicaManager:
         self.step, self.gen, self.synced = q.max_step, q.gen, True
         self._disowned, self._made = False, (q.round, q.epoch)
         if q.rewind is not None:
-            cur = ledger.read_cursor(self._store, self.root, self.rid, q.gen) if self.is_leader else 0
+            cur = ledger.read_cursor(self.store, self.root, self.rid, q.gen) if self.is_leader else 0
             self.cursor = self._broadcast(cur)
         self._take_digest()
         seconds = time.perf_counter() - t0
@@ -1121,12 +1171,13 @@ class ReplicaManager:
 
         T = q.max_step
         if cursors is None:
-            cursors = ledger.cursors_at(self._store, self.root, T, range(self.R))
+            cursors = ledger.cursors_at(self.store, self.root, T, range(self.R))
         rw = q.rewind
-        ledger.seed_generation(self._store, self.root, q.gen, T, cursors, **{
+        assert rw is not None  # a rewind's round
+        ledger.seed_generation(self.store, self.root, q.gen, T, cursors, **{
             "from": rw["from"], "checkpoint": rw["checkpoint"], "source": self.rid, "round": q.round})
         if self.checkpoint_root:
-            supersede(self._store, self.root, self.checkpoint_root, T, q.gen)
+            supersede(self.store, self.root, self.checkpoint_root, T, q.gen)
         self.cursor = cursors.get(self.rid, 0)
         print(f"lightning-ft: replica {self.rid}: rewind from step {rw['from']} to {T} (generation {q.gen}"
               f"{', checkpoint ' + str(rw['checkpoint']) if rw['checkpoint'] else ''})", flush=True)
@@ -1135,6 +1186,8 @@ class ReplicaManager:
     def commit(self, vote: int | bool) -> bool:
         """All ranks of the replica apply the optimizer step, or none does."""
         plan = self.last_plan
+        if plan is None:
+            raise RuntimeError("ReplicaManager.commit: no round was planned (prepare or begin_step first)")
         result = self._vote(int(vote))
         if result == LOST:
             raise ReplicaStateLost(f"replica {self.rid}: a catch-up failed midway; the state is partly overwritten, "
@@ -1204,7 +1257,7 @@ class ReplicaManager:
         with self._ledger_lock:
             recs, self._unrecorded = self._unrecorded, []
         if recs and self.is_leader:
-            if not ledger.record_commits(self._store, self.root, self.rid, recs, fence=self.coord.fence()):
+            if not ledger.record_commits(self.store, self.root, self.rid, recs, fence=self.coord.fence()):
                 # The 100-fault soak: a replica whose lease lapsed while its last ring completed (the
                 # others' failed) kept its step S+1, re-registered and reported it next to theirs,
                 # which they had redone without it: same step, other state. Majorities healed it;
@@ -1222,8 +1275,8 @@ class ReplicaManager:
     # -- the divergence guard ------------------------------------------------------------------------
     def digest_due(self, step: int) -> bool:
         """Every replica digests at the same steps: every `digest_every`, and at checkpoints."""
-        return step > 0 and ((self.digest_every and step % self.digest_every == 0)
-                             or (self.checkpoint_every and step % self.checkpoint_every == 0))
+        return step > 0 and bool((self.digest_every and step % self.digest_every == 0)
+                                 or (self.checkpoint_every and step % self.checkpoint_every == 0))
 
     def _take_digest(self) -> None:
         if not self.digest_due(self.step):
@@ -1276,7 +1329,7 @@ class ReplicaManager:
 
         step = None
         if self.is_leader:
-            rec = read_finished(self._store, self.root)
+            rec = read_finished(self.store, self.root)
             step = rec["step"] if rec else None
         return self._broadcast(step)
 
@@ -1302,12 +1355,12 @@ class ReplicaManager:
                 self.flush_ledger()
             except Exception as e:  # etcd gone: the other committers of that step recorded it too
                 log.warning("replica %d: could not record the last commit: %s", self.rid, e)
-        if self.coord is not None:
-            self.coord.close(revoke=True)
-        if self.ftar is not None:
-            self.ftar.close()
-        if self.server is not None:
-            self.server.close()
+        if self._coord is not None:
+            self._coord.close(revoke=True)
+        if self._ftar is not None:
+            self._ftar.close()
+        if self._server is not None:
+            self._server.close()
         if self._store is not None and self._etcd:
             self._store.close()
 

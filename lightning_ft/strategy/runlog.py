@@ -67,7 +67,7 @@ def metrics(mgr: Any, num_replicas: int) -> dict[str, float]:
     if plan is None:
         return {}
     st = mgr.stats
-    gb = mgr.buckets.nbytes / 1e9 if mgr.buckets is not None else 0.0
+    gb = mgr.buckets.nbytes / 1e9 if mgr.started else 0.0
     return {"ft/healthy": float(len(plan.quorum.contributors)), "ft/total": float(num_replicas),
             "ft/epoch": float(plan.quorum.epoch), "ft/lr_factor": plan.lr_factor,
             "ft/ftar_gbps": gb / st.exchange_s if st.exchange_s > 0 else 0.0,

@@ -307,15 +307,16 @@ def test_replica_leader_can_abort_another_rank_of_its_replica():
         with pytest.raises(RecoverableError):
             stranger.abort_peer(r1[0].address, "not of this job", 1, timeout_s=1)
         assert not w.done()
-        t0 = time.monotonic()
         leader.abort("replica 2 evicted: SIGKILL")  # the leader aborts itself first, then forwards
         leader.abort_peer(r1[0].address, "stale: about epoch 0", 0)  # the ring is at epoch 1: ignored
         time.sleep(0.05)
         assert not w.done()
+        t0 = time.monotonic()
         leader.abort_peer(r1[0].address, "replica 2 evicted: SIGKILL", 1)
         with pytest.raises(RecoverableError, match="aborted: replica 2 evicted: SIGKILL"):
             w.wait(5)
-        assert time.monotonic() - t0 < 0.1
+        # at once, not at the ring's 30 s timeout (bound loose for a loaded 2-core machine)
+        assert time.monotonic() - t0 < 1.0
     finally:
         close_all(r1 + [leader, stranger])
 
