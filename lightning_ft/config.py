@@ -30,10 +30,8 @@ import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-LR_INTERVENTIONS = ("none", "linear", "sqrt")
-BATCH_POLICIES = ("shrink", "constant")
-"""How the learning rate follows the fraction x = contributors / R of healthy replicas
-(docs/ARCHITECTURE.md, "A step")."""
+from lightning_ft.constants import BATCH_POLICIES, LR_MODES
+
 TRANSPORTS = ("tcp", "rdma", "shm", "auto")
 """FTAR transports (docs/ARCHITECTURE.md, "The exchange"): ring links over TCP, RDMA (pyverbs), or shared memory
 between processes of one host; `auto` picks per link (shm on one host, rdma where both
@@ -461,7 +459,7 @@ def validate(cfg: Any) -> None:
     at_least("nproc_per_replica", cfg.nproc_per_replica, 1)
     if not 1 <= cfg.min_replicas <= max(cfg.replicas, 1):
         bad("min_replicas", cfg.min_replicas, f"must be between 1 and replicas ({cfg.replicas})")
-    choice("lr_intervention", cfg.lr_intervention, LR_INTERVENTIONS)
+    choice("lr_intervention", cfg.lr_intervention, LR_MODES)
     choice("batch_policy", cfg.batch_policy, BATCH_POLICIES)
     from lightning_ft.coord.stragglers import POLICIES as STRAGGLER_POLICIES
 

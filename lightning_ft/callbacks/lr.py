@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ft.replica.manager import LR_MODES
+from lightning_ft.constants import LR_MODES
 
 
 class LRIntervention(Callback):

@@ -78,6 +78,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Mapping, Optional
 
+from lightning_ft.constants import Role
 from lightning_ft.coord import stragglers
 
 MAX_STEADY_STEPS = 64
@@ -620,12 +621,12 @@ def _strikes(round: int, valid: Mapping[int, Report], previous: Optional[Quorum]
     return strikes, quarantine, excluded
 
 
-def adopt_role(q: Quorum, rid: int) -> str:
-    """This replica's role in `q`: "train", "catchup" (train round, lagging), "source" or
-    "adopt" (sync round)."""
+def adopt_role(q: Quorum, rid: int) -> Role:
+    """This replica's role in `q`: train or catch up (a train round, lagging); the source or
+    an adopter (a sync round)."""
     if q.kind == SYNC:
-        return "source" if rid == q.source else "adopt"
-    return "train" if rid in q.contributors else "catchup"
+        return Role.SOURCE if rid == q.source else Role.ADOPT
+    return Role.TRAIN if rid in q.contributors else Role.CATCHUP
 
 
 # -- steady rounds: no etcd while nothing changes ----------------------------------------------------

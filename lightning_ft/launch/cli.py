@@ -232,7 +232,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
         f.write(to_yaml(cfg))
     from lightning_ft.coord.etcd_server import EtcdNotFound
     from lightning_ft.coord.store import StoreError
-    from lightning_ft.launch.etcd_keeper import EXIT_ETCD_LOST, EtcdKeeper
+    from lightning_ft.constants import ExitCode
+    from lightning_ft.launch.etcd_keeper import EtcdKeeper
 
     keeper = EtcdKeeper(cfg)
     try:
@@ -275,7 +276,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         else:
             rc = _run_with_status(sup, a.timeout, keeper.tick)
         if keeper.lost is not None:
-            rc = EXIT_ETCD_LOST
+            rc = ExitCode.ETCD_LOST
             print(keeper.lost_message(checkpoint_dir(cfg), cfg.run_dir), file=sys.stderr, flush=True)
         _print_summary(sup, rc)
         return rc

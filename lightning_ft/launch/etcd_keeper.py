@@ -24,8 +24,6 @@ from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.coord.store import StoreError
 from lightning_ft.threads import Thread
 
-EXIT_ETCD_LOST = 75
-"""`lightning-ft run` exits with this (EX_TEMPFAIL) when etcd stayed unreachable too long."""
 PROBE_INTERVAL_S = 2.0
 
 

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from lightning_ft.constants import ExitCode
 from lightning_ft.coord import keys
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.runs import RunHold, open_run
@@ -59,16 +60,10 @@ TERM_GRACE_S = 3.0
 REAP_TIMEOUT_S = 5.0
 """Bound on waiting for a SIGKILLed process to be reaped."""
 
-EXIT_TIMEOUT = 124
-"""run() returns this when `timeout_s` passed (as timeout(1) does)."""
-EXIT_GAVE_UP = 1
-"""run() returns this when every replica stopped and at least one was given up on."""
 SPARE_FAILURES = 3
 """Spares that exit before they register, in a row, after which no more are started."""
 RESUME_LIVE_WAIT_S = 10.0
 """How long `--resume` waits for a dead job's leases to lapse (a launcher's hold: 5 s)."""
-EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
-"""A replica exits with this, and run() returns it, when the job halted (lightning_ft.coord.keys.halt)."""
 IDLE_WAKE_S = 1.0
 """run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
 HALT_GRACE_S = 10.0
@@ -362,8 +357,8 @@ class Supervisor:
 
     def run(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None,
             poll_s: float = 0.05) -> int:
-        """Poll until every replica has stopped (0 if all finished, EXIT_GAVE_UP if any was given
-        up on), `until()` is true (0), `timeout_s` passed (EXIT_TIMEOUT), or SIGINT/SIGTERM
+        """Poll until every replica has stopped (0 if all finished, ExitCode.GAVE_UP if any was given
+        up on), `until()` is true (0), `timeout_s` passed (ExitCode.TIMEOUT), or SIGINT/SIGTERM
         arrived (shutdown, then 128 + signal). Starts the replicas first if start() was not called."""
         if not self._started:
             self.start()
@@ -379,12 +374,12 @@ class Supervisor:
                 if states <= {"done", "failed", "stopped"}:
                     self._stop_spares("the job ended")
                     if self.halted:
-                        return EXIT_HALTED
-                    return 0 if states == {"done"} else EXIT_GAVE_UP
+                        return ExitCode.HALTED
+                    return 0 if states == {"done"} else ExitCode.GAVE_UP
                 if until is not None and until():
                     return 0
                 if deadline is not None and time.monotonic() >= deadline:
-                    return EXIT_TIMEOUT
+                    return ExitCode.TIMEOUT
                 self._sleep(self._next_wake_s(deadline, poll_s))
         finally:
             restore()
@@ -923,7 +918,7 @@ class Supervisor:
     def _on_halt(self, rep: _Replica) -> None:
         """The job halted: this replica is done for good, and nobody is restarted."""
         if not self.halted:
-            self.halted = self._read_halt() or f"replica {rep.rid} exited with {EXIT_HALTED} (job halted)"
+            self.halted = self._read_halt() or f"replica {rep.rid} exited with {int(ExitCode.HALTED)} (job halted)"
             self._halted_at = time.monotonic()
             log.error("lightning-ft: the job halted: %s", self.halted)
             self._event(rep, "job_halted", reason=self.halted)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-POLICIES = ("shrink", "constant")
+from lightning_ft.constants import BATCH_POLICIES as POLICIES
 
 
 @dataclass(frozen=True)

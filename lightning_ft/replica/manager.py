@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from lightning_ft.constants import LR_MODES
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator, JobFinished
 from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, adopt_role, must_abort, steady_next
@@ -62,7 +63,6 @@ from lightning_ft.threads import name_current
 
 log = logging.getLogger(__name__)
 
-LR_MODES = ("none", "linear", "sqrt")
 OK, FAILED, LOST = 1, 0, -1
 """Votes: MIN over the replica's ranks decides."""
 

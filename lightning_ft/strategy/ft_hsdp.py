@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_ft.config import FTConfig
+from lightning_ft.constants import ExitCode
 from lightning_ft.replica import startup
 from lightning_ft.replica.data import SlotStream
 from lightning_ft.strategy import lightning_compat
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXIT_HALTED = 86  # distinctive: a user program exiting 3 is a failure, not a halt
-"""Exit code of a replica when the job halted (every replica obeys; the launcher stops)."""
 
 
 class FTHSDPError(RuntimeError):
@@ -814,7 +813,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self.mgr.on_halt()
             self._close()
             sys.stderr.flush()
-            os._exit(EXIT_HALTED)
+            os._exit(ExitCode.HALTED)
         self._close()
 
     @override

@@ -29,7 +29,6 @@ from lightning_ft.replica.batch_policy import round_batches
 
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-emulated"}
 """Setting precision -> the example's `--precision`."""
-LR_MODES = ("none", "linear", "sqrt")
 _NAME = re.compile(r"^d(?P<freq>\d+)x_(?P<fp>fp32|bf16)_for(?P<len>\d+)_(?P<con>\d+)reps_lr_(?P<lr>none|linear|sqrt)"
                    r"(?P<constant>_batch_constant)?$")
 _BASELINE = re.compile(r"^baseline_(?P<fp>fp32|bf16)$")

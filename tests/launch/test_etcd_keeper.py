@@ -25,7 +25,7 @@ from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.etcd_server import EtcdServer, free_port
 from lightning_ft.coord.quorum import MAX_STEADY_STEPS
 from lightning_ft.coord.store import EtcdStore
-from lightning_ft.launch.etcd_keeper import EXIT_ETCD_LOST
+from lightning_ft.constants import ExitCode
 from lightning_ft.replica.checkpoint import newest_valid, verify
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from tests.launch.test_cli import etcd_children, readline
@@ -243,7 +243,7 @@ def test_long_etcd_outage_stops_the_job_with_a_clear_error_and_the_checkpoint_in
     finally:
         run.stop()
     err = "".join(run.err)
-    assert rc == EXIT_ETCD_LOST, run.tail()
+    assert rc == ExitCode.ETCD_LOST, run.tail()
     assert 3.0 < stopped_after < 60, stopped_after
     assert f"etcd at {srv.endpoint} has been unreachable for" in err and "etcd.connect_timeout_s=3" in err
     line = [l for l in err.splitlines() if "stopped the job" in l][0]

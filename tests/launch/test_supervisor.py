@@ -19,7 +19,8 @@ from typing import Callable
 import pytest
 
 from lightning_ft.coord.store import EtcdStore, MemoryStore
-from lightning_ft.launch.supervisor import EXIT_GAVE_UP, EXIT_HALTED, EXIT_TIMEOUT, TERM_GRACE_S, Supervisor
+from lightning_ft.constants import ExitCode
+from lightning_ft.launch.supervisor import TERM_GRACE_S, Supervisor
 
 CHILD = str(Path(__file__).with_name("child.py"))
 
@@ -176,7 +177,7 @@ def test_sigkill_of_one_rank_evicts_with_the_signal(make, store):
 def test_max_restarts_gives_up(make, store):
     sup = make("*:*:*=exit:3:0", replicas=1, nproc_per_replica=1, restart_delay_s=0.05, max_restarts=2,
                crash_loop=10)  # the restart limit, not the crash-loop detector, stops it
-    assert sup.run(timeout_s=20) == EXIT_GAVE_UP
+    assert sup.run(timeout_s=20) == ExitCode.GAVE_UP
     assert seq(events(make.run_dir)) == [
         ("start", 0), ("exit", 0), ("evict", 0), ("restart", 1), ("exit", 1), ("evict", 1),
         ("restart", 2), ("exit", 2), ("evict", 2), ("give_up", 2)]
@@ -203,7 +204,7 @@ def test_hang_by_lease_expiry_kills_evicts_and_restarts(make, store):
     assert "child.py" in diag[0]["stack"], diag[0]["stack"]
     # Incarnation 1 keeps its lease alive: it is not taken for hung.
     wait_for(lambda: store.get(f"{sup.root}members/0"), 10, "incarnation 1 to register", poll=sup.poll)
-    assert sup.run(timeout_s=2.0) == EXIT_TIMEOUT
+    assert sup.run(timeout_s=2.0) == ExitCode.TIMEOUT
     assert status(sup, 0)["incarnation"] == 1 and status(sup, 0)["state"] == "running"
 
 
@@ -213,7 +214,7 @@ def test_a_halted_job_ends_even_when_an_eviction_races_the_halt(make, store):
     # waited forever with no process left.
     sup = make("0:0:0=halt:300", "1:0:0=member:400:hang:0", replicas=2, nproc_per_replica=1, hang_grace_s=0.2)
     t0 = time.monotonic()
-    assert sup.run(timeout_s=30) == EXIT_HALTED
+    assert sup.run(timeout_s=30) == ExitCode.HALTED
     assert time.monotonic() - t0 < 15
     ev = events(make.run_dir)
     names = [e["event"] for e in ev]
