@@ -1,4 +1,5 @@
-"""Spawns R replicas of W processes each, restarts failed ones and evicts them at once (DESIGN §9).
+"""Spawns R replicas of W processes each, restarts failed ones and evicts them at once
+(docs/ARCHITECTURE.md, "Launch and supervision"; its decisions are launch/policy.py's).
 
 One `Supervisor` owns the processes of some replicas of a job (all of them on one machine;
 a disjoint `replica_ids` subset per node when several supervisors share one etcd). Each
@@ -6,7 +7,7 @@ process is started in its own session, so a Ctrl-C aimed at the supervisor does 
 it implicitly, and is cleaned up by PID (its process group, which holds its own children).
 
 A replica fails when one of its processes exits non-zero or by a signal, or when it hangs:
-its leader's `members/{rid}` key (DESIGN §3) existed for the current incarnation and then
+its leader's `members/{rid}` key ("Keyspace") existed for the current incarnation and then
 vanished (lease expired) while the leader process still runs. From the moment the key vanished it
 says where the replica hangs (`_diagnose_hang`: a `hang` event with the rank, the FTAR link and
 the stack; docs/ARCHITECTURE.md, "Hang diagnosis"). Then the supervisor
@@ -41,7 +42,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_ft.constants import ExitCode
@@ -50,6 +51,7 @@ from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.hang import culprit_rank, diagnose
 from lightning_ft.coord.store import EtcdStore, Store, StoreError
+from lightning_ft.launch import policy
 from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, dump_stack, process_state
 from lightning_ft.launch.zygote import Proc, Zygote, ZygoteProc, default_preload, python_target
 
@@ -284,6 +286,13 @@ class Supervisor:
                     log.warning("cannot start the zygote (restarts start Python afresh): %s", e)
 
     @property
+    def _limits(self) -> policy.Limits:
+        """The settings launch/policy.py's rules read (attributes: tests and callers may change them)."""
+        return policy.Limits(start_timeout_s=self.start_timeout_s, hang_grace_s=self.hang_grace_s,
+                             exit_timeout_s=self.exit_timeout_s, crash_loop=self.crash_loop,
+                             max_restarts=self.max_restarts, restart_delay_s=self.restart_delay_s)
+
+    @property
     def root(self) -> str:
         """The keyspace of this launcher's run."""
         return self._root
@@ -347,11 +356,7 @@ class Supervisor:
         with self._lock:
             if self._shut_down:
                 return
-            for rep in self._replicas.values():
-                if rep.state == "running":
-                    self._reap(rep)
-            if self.hang_check:
-                self._check_hangs()
+            self._watch()
             self._reap_spares()
             self._restart_due()
 
@@ -758,91 +763,79 @@ class Supervisor:
                 return port
 
     # -- failures ---------------------------------------------------------------------------------
-    def _reap(self, rep: _Replica) -> None:
-        """Handle the exits since the last pass. Exit codes are read without reaping, so the
-        process groups of a failed replica can still be killed safely by PID."""
-        codes = [_peek(p) for p in rep.procs]
-        bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        if bad:
-            rank, code = bad[0]
-            self._event(rep, "exit", rank=rank, code=code, pid=rep.procs[rank].pid)
-            if self._read_halt():  # the key decides: an exit code alone may be the program's own
-                self._on_halt(rep)
-                return
-            reason = f"rank {rank} exited with {code}"
-            self._fail(rep, reason + (f" ({rep.kill_reason})" if rep.kill_reason else ""), code=code, rank=rank)
+    def _watch(self) -> None:
+        """This pass's decision for every running replica (launch/policy.py `next_action`),
+        carried out: exits read without reaping (so the process groups of a failed replica can
+        still be killed safely by PID), then, with hang checks on, its member report."""
+        running = [rep for rep in self._replicas.values() if rep.state == "running"]
+        if not running:
             return
-        for rank, peeked in enumerate(codes):
-            if peeked == 0 and rank not in rep.logged_exits:
-                rep.procs[rank].wait()
-                rep.logged_exits.add(rank)
-                self._event(rep, "exit", rank=rank, code=0, pid=rep.procs[rank].pid)
-        if all(code == 0 for code in codes):
+        codes = {rep.rid: tuple(_peek(p) for p in rep.procs) for rep in running}
+        # one read of the members' reports per pass, when some replica's rank 0 still runs
+        reports = (self._member_reports() if self.hang_check and any(c and c[0] is None for c in codes.values())
+                   else None)
+        now = time.monotonic()
+        for rep in running:
+            if rep.state != "running":  # a world restart or a halt already stopped it in this pass
+                continue
+            mine = reports.get(rep.rid) if reports is not None else None
+            view = policy.View(
+                rid=rep.rid, incarnation=rep.incarnation, codes=codes[rep.rid],
+                pids=tuple(p.pid for p in rep.procs), logged_exits=frozenset(rep.logged_exits),
+                kill_reason=rep.kill_reason, watched=reports is not None and codes[rep.rid][:1] == (None,),
+                report=mine if mine is not None and mine.get("incarnation") == rep.incarnation else None,
+                member_seen=rep.member_seen, started_at=rep.started_at, missing_since=rep.missing_since,
+                leaving_since=rep.leaving_since)
+            facts = policy.Facts()
+            while True:
+                actions = policy.next_action(view, now, self._limits, facts)
+                if not (len(actions) == 1 and isinstance(actions[0], policy.Need)):
+                    break
+                if actions[0].fact == "halted":
+                    facts = replace(facts, halted=bool(self._read_halt()))  # the key decides
+                else:
+                    facts = replace(facts, left_cleanly=self._left_cleanly(rep))
+            for a in actions:
+                self._obey(rep, a, now)
+
+    def _obey(self, rep: _Replica, a: policy.Action, now: float) -> None:
+        if isinstance(a, policy.LogExit):
+            rep.procs[a.rank].wait()
+            rep.logged_exits.add(a.rank)
+            self._event(rep, "exit", rank=a.rank, code=0, pid=rep.procs[a.rank].pid)
+        elif isinstance(a, policy.Halted):
+            self._event(rep, "exit", rank=a.rank, code=a.code, pid=rep.procs[a.rank].pid)
+            self._on_halt(rep)
+        elif isinstance(a, policy.ExitFailed):
+            self._event(rep, "exit", rank=a.rank, code=a.code, pid=rep.procs[a.rank].pid)
+            self._fail(rep, a.reason, code=a.code, rank=a.rank)
+        elif isinstance(a, policy.Done):
             rep.state = "done"
             rep.step = self._committed_step(rep)
-            return
-        if any(code == 0 for code in codes):
-            running = [rank for rank, code in enumerate(codes) if code is None]
-            self._check_exit(rep, f"rank {codes.index(0)} exited 0 but ranks {running} still run")
-
-    def _check_exit(self, rep: _Replica, what: str) -> bool:
-        """A replica on its way out: True while it is still within exit_timeout_s; past that it is
-        hung on exit (a process SIGSTOPped or deadlocked in teardown never exits by itself, and the
-        launcher would wait for it forever): failed, so it is killed and restarted."""
-        now = time.monotonic()
-        if rep.leaving_since is None:
-            rep.leaving_since = now
-        if self.exit_timeout_s <= 0 or now - rep.leaving_since < self.exit_timeout_s:
-            return True
-        reason = (f"hung on exit for {now - rep.leaving_since:.0f}s (supervisor.exit_timeout_s="
-                  f"{self.exit_timeout_s:g}): {what}")
-        self._event(rep, "hang", reason=reason)
-        self._fail(rep, reason)
-        return False
-
-    def _check_hangs(self) -> None:
-        watched = [rep for rep in self._replicas.values()
-                   if rep.state == "running" and rep.procs[0].returncode is None]
-        if not watched:
-            return
-        reports = self._member_reports()
-        if reports is None:
-            return
-        now = time.monotonic()
-        for rep in watched:
-            mine = reports.get(rep.rid)
-            if mine is not None and mine.get("incarnation") == rep.incarnation:
-                rep.member_seen, rep.missing_since = True, None
-                rep.step = mine.get("step", rep.step)
-                rep.compute_ms = float(mine.get("compute_ms", -1.0))
-                if rep.first_step is None:
-                    rep.first_step = rep.step
-                elif rep.step is not None and rep.step > rep.first_step:
-                    rep.progressed = True
-            elif (not rep.member_seen and self.start_timeout_s > 0 and rep.started_at
-                  and now - rep.started_at >= self.start_timeout_s):
-                reason = (f"hung in initialization: incarnation {rep.incarnation} did not register with etcd within "
-                          f"{self.start_timeout_s:.0f}s of its start (supervisor.start_timeout_s) while rank 0 "
-                          f"(pid {rep.procs[0].pid}) still runs")
-                self._event(rep, "hang", reason=reason)
-                self._fail(rep, reason)
-            elif rep.member_seen and rep.missing_since is None:
-                rep.missing_since = now
-                if rep.diagnosis is None or not rep.diagnosis.is_alive():  # read its stacks while it still hangs
-                    rep.diagnosis = threading.Thread(target=self._diagnose_hang, name=f"lft-hang-r{rep.rid}",
-                                                     args=(rep, rep.incarnation, list(rep.procs), now), daemon=True)
-                    rep.diagnosis.start()
-            elif rep.member_seen and rep.missing_since is not None and now - rep.missing_since >= self.hang_grace_s:
-                if self._left_cleanly(rep):  # it revoked its lease on the way out: wait for the exit code
-                    self._check_exit(rep, f"incarnation {rep.incarnation} left the job (left/{rep.rid}/"
-                                          f"{rep.incarnation}) but rank 0 (pid {rep.procs[0].pid}) still runs")
-                    continue
-                reason = (f"hung: members/{rep.rid} of incarnation {rep.incarnation} vanished (lease expired) "
-                          f"{now - rep.missing_since:.1f}s ago while rank 0 (pid {rep.procs[0].pid}) still runs")
-                if rep.diagnosis is not None:  # its stacks are read before the kill (bounded)
-                    rep.diagnosis.join(DUMP_TIMEOUT_S + 1.0)
-                self._event(rep, "hang", reason=reason)
-                self._fail(rep, reason)
+        elif isinstance(a, policy.Leaving):
+            if rep.leaving_since is None:
+                rep.leaving_since = now
+        elif isinstance(a, policy.Hung):
+            if a.diagnosed and rep.diagnosis is not None:  # its stacks are read before the kill (bounded)
+                rep.diagnosis.join(DUMP_TIMEOUT_S + 1.0)
+            self._event(rep, "hang", reason=a.reason)
+            self._fail(rep, a.reason)
+        elif isinstance(a, policy.Seen):
+            rep.member_seen, rep.missing_since = True, None
+            rep.step = a.step if a.step is not None else rep.step
+            rep.compute_ms = a.compute_ms
+            if rep.first_step is None:
+                rep.first_step = rep.step
+            elif rep.step is not None and rep.step > rep.first_step:
+                rep.progressed = True
+        elif isinstance(a, policy.Missing):
+            rep.missing_since = now
+            if rep.diagnosis is None or not rep.diagnosis.is_alive():  # read its stacks while it still hangs
+                rep.diagnosis = threading.Thread(target=self._diagnose_hang, name=f"lft-hang-r{rep.rid}",
+                                                 args=(rep, rep.incarnation, list(rep.procs), now), daemon=True)
+                rep.diagnosis.start()
+        else:
+            raise AssertionError(f"supervisor: no way to carry out {a!r}")
 
     def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[Proc],
                        missing_since: float) -> None:
@@ -936,15 +929,8 @@ class Supervisor:
         except StoreError:
             return False
 
-    def _crash_loop(self, rep: _Replica, code: Optional[int], rank: int) -> bool:
-        """Track failures before any commit; True if this one ends a crash loop."""
-        if rep.progressed or code is None or code <= 0:  # signals and hangs are not the program's fault
-            rep.crash_code, rep.crash_streak = None, 0
-            return False
-        rep.crash_streak = rep.crash_streak + 1 if rep.crash_code == code else 1
-        rep.crash_code = code
-        if rep.crash_streak < self.crash_loop:
-            return False
+    def _report_crash_loop(self, rep: _Replica, code: Optional[int], rank: int) -> None:
+        """A crash loop ended the replica (policy.after_failure): say so, with its log's last lines."""
         path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
         try:
             tail = open(path, errors="replace").read().splitlines()[-20:]
@@ -954,7 +940,6 @@ class Supervisor:
                f"any step; not restarting it. Last lines of {path}:\n" + "\n".join("    " + t for t in tail))
         print(f"lightning-ft: {msg}", flush=True)
         self._event(rep, "crash_loop", code=code, streak=rep.crash_streak, log=path, tail=tail)
-        return True
 
     def _fail(self, rep: _Replica, reason: str, code: Optional[int] = None, rank: int = 0) -> None:
         """Kill the rest of the replica, evict it at once, then schedule its restart or give up."""
@@ -967,28 +952,30 @@ class Supervisor:
                 self._stragglers.append(p)
         rep.failed_at = time.monotonic()
         self._event(rep, "evict", reason=reason, killed_ranks=killed)
-        if self.halted:  # a halted job restarts nobody: an eviction racing the halt ends the replica
-            rep.state = "failed"
-            return
-        if self._crash_loop(rep, code, rank):
-            rep.state = "failed"
+        downtime = self._downtime.get(rep.rid, 0)
+        if downtime <= 0 and self._schedule is not None:
+            downtime = self._schedule.downtime(rep.rid, rep.incarnation)
+        out = policy.after_failure(policy.History(
+            code=code, progressed=rep.progressed, crash_code=rep.crash_code, crash_streak=rep.crash_streak,
+            restarts=rep.restarts, halted=bool(self.halted), downtime_steps=downtime), self._limits)
+        rep.crash_code, rep.crash_streak = out.crash_code, out.crash_streak
+        rep.state = out.state
+        if out.why == "crash_loop":
+            self._report_crash_loop(rep, code, rank)
             self._check_min_replicas()
             return
-        if rep.restarts >= self.max_restarts:
-            rep.state = "failed"
+        if out.why == "max_restarts":
             self._event(rep, "give_up", reason=f"replica {rep.rid} failed {rep.restarts + 1} times "
                                                f"(max_restarts={self.max_restarts}); not restarting it")
             return
-        rep.state = "restarting"
+        if out.state != "restarting":  # a halted job restarts nobody: an eviction racing the halt ends it
+            return
         rep.restart_at = rep.failed_at + self.restart_delay_s
         if self.restart_mode == "world":
             self._stop_world(rep)
             return
-        downtime = self._downtime.get(rep.rid, 0)
-        if downtime <= 0 and self._schedule is not None:
-            downtime = self._schedule.downtime(rep.rid, rep.incarnation)
-        if downtime > 0:
-            rep.restart_step = self._job_step() + downtime
+        if out.downtime_steps > 0:
+            rep.restart_step = self._job_step() + out.downtime_steps
 
     def _check_min_replicas(self) -> None:
         """Replicas given up on: stop the job when fewer than min_replicas can still train."""
@@ -1076,22 +1063,26 @@ class Supervisor:
         for rep in self._replicas.values():
             if rep.state != "restarting":
                 continue
-            if rep.restart_step is not None:
-                if not self._downtime_over(rep):
-                    continue
-            elif now < rep.restart_at and not self._spares:  # a spare is past its start-up: no pacing
-                continue
-            if self._job_finished():  # nothing left to train: a late replica would only idle
+            pending = policy.Pending(restart_at=rep.restart_at, by_step=rep.restart_step is not None,
+                                     spares=bool(self._spares))
+            facts = policy.Facts()
+            while True:
+                a = policy.restart_action(pending, now, facts)
+                if isinstance(a, policy.Need) and a.fact == "downtime_over":
+                    facts = replace(facts, downtime_over=self._downtime_over(rep))
+                elif isinstance(a, policy.Need):
+                    facts = replace(facts, finished=self._job_finished())
+                elif isinstance(a, policy.Promote):
+                    facts = replace(facts, promoted=self._promote_spare(rep))
+                else:
+                    break
+            if isinstance(a, policy.NotRestarted):  # nothing left to train: a late replica would only idle
                 rep.state = "done"
                 self._event(rep, "not_restarted", reason="the job already finished")
-                continue
-            if self._promote_spare(rep):
-                continue
-            if now < rep.restart_at and rep.restart_step is None:
-                continue
-            rep.incarnation += 1
-            rep.restarts += 1
-            self._launch(rep)
+            elif isinstance(a, policy.Launch):
+                rep.incarnation += 1
+                rep.restarts += 1
+                self._launch(rep)
 
     def _downtime_over(self, rep: _Replica) -> bool:
         """The job reached restart_step, or nobody else is training (so it never would)."""
