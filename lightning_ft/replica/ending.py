@@ -156,7 +156,7 @@ def adopt_final(mgr: Any, linger_s: float) -> bool:
         return False
     step, rid, addrs = src
     t0 = time.perf_counter()
-    vote = mgr._vote(mgr.fetch_from(addrs[mgr.rank], step, rid, deadline_s=linger_s))
+    vote = mgr.group.vote(mgr.fetch_from(addrs[mgr.rank], step, rid, deadline_s=linger_s))
     if vote == LOST:
         raise ReplicaStateLost(f"replica {mgr.rid}: fetching replica {rid}'s final state failed midway; the state "
                                "is partly overwritten")

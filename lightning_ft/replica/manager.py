@@ -39,7 +39,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 
 from lightning_ft.constants import LR_MODES
 from lightning_ft.coord import keys
@@ -53,6 +52,7 @@ from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableE
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.batch_policy import POLICIES, round_batches
 from lightning_ft.replica.buckets import GradBuckets
+from lightning_ft.replica.group import ReplicaGroup
 from lightning_ft.replica import startup
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
 from lightning_ft.replica.optimizers import Optimizers, unwrap
@@ -202,6 +202,8 @@ class ReplicaManager:
         """A warm spare's token (coord/standby.py): `start` waits to be promoted, and takes the
         replica id and incarnation it is given; "" for a replica."""
         self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
+        self.group = ReplicaGroup(rank, world, pg)
+        """This replica's ranks: the collectives inside it (replica/group.py)."""
         self.secret = secret
         self._etcd, self._store = etcd, store
         self._etcd_config = etcd_config
@@ -341,18 +343,6 @@ class ReplicaManager:
 
         self.scaler = ReplicaScaler(scaler) if scaler is not None else None
 
-    def _any_rank(self, flag: bool) -> bool:
-        """OR of `flag` over the replica's ranks (every rank calls it)."""
-        return bool(self._reduce_ranks(int(bool(flag)), dist.ReduceOp.MAX))
-
-    def _reduce_ranks(self, value: int, op: Any) -> int:
-        """`value` reduced with `op` over the replica's ranks (every rank calls it)."""
-        if self.pg is None and self.world == 1:
-            return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int32)
-        dist.all_reduce(t, op=op, group=self.pg)
-        return int(t.item())
-
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
@@ -409,7 +399,7 @@ class ReplicaManager:
             materialize_optimizer_state(self.optimizer)
         if self.is_leader and self._store is None:
             self._store = store_from_config(self._etcd_config, self._etcd)
-        host = self._leader_result(lambda: advertised(self.bind_host, self.advertise_host, self._etcd))
+        host = self.group.leader_result(lambda: advertised(self.bind_host, self.advertise_host, self._etcd))
         if self.standby:
             self._await_promotion(host)
         from lightning_ft import ops
@@ -418,7 +408,7 @@ class ReplicaManager:
         self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
         self._server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
-        addrs = self._gather(mine)
+        addrs = self.group.gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
         # One flat buffer per optimizer: a round exchanges the one it steps.
         opts = self.optimizer.optimizers if self.multi else [self.optimizer]
@@ -427,7 +417,7 @@ class ReplicaManager:
             b.attach()
             o.zero_grad = b.zero  # keep .grad as views of the exchange buffer
         self.buckets = self._all_buckets[0]
-        self.root, self.gen, self.cursor = self._leader_result(lambda: self._register(addrs))
+        self.root, self.gen, self.cursor = self.group.leader_result(lambda: self._register(addrs))
         startup.mark("registered")
 
     def _await_promotion(self, host: str, slice_s: float = 5.0) -> None:
@@ -443,7 +433,8 @@ class ReplicaManager:
                             ttl_s=float(self._coord_kw["lease_ttl_s"]))
         try:
             while True:
-                got = self._leader_result(lambda: waiter.wait(slice_s if self.world > 1 else None) if waiter else None)
+                got = self.group.leader_result(
+                    lambda: waiter.wait(slice_s if self.world > 1 else None) if waiter else None)
                 if got is not None:
                     break
         finally:
@@ -475,19 +466,6 @@ class ReplicaManager:
         finally:
             hold.close()
         return self.root, self.gen, self.cursor
-
-    def _leader_result(self, fn: Callable[[], Any]) -> Any:
-        """`fn()` on the leader, its result (or its exception, raised) on every rank."""
-        got: Any = None
-        if self.is_leader:
-            try:
-                got = fn()
-            except Exception as e:  # every rank must raise it, not wait in the broadcast
-                got = e
-        got = self._broadcast(got)
-        if isinstance(got, Exception):
-            raise got
-        return got
 
     def enable_overlap(self, bucket_bytes: int = 4 << 20) -> None:
         """Exchange gradient buckets from backward hooks (buckets.py); same `bucket_bytes` on
@@ -526,25 +504,11 @@ class ReplicaManager:
 
     def gather(self, obj: Any) -> list:
         """`obj` from every rank of this replica (all ranks call it), in rank order."""
-        return self._gather(obj)
+        return self.group.gather(obj)
 
     def broadcast(self, obj: Any) -> Any:
         """The leader's `obj` on every rank of this replica (all ranks call it)."""
-        return self._broadcast(obj)
-
-    def _gather(self, obj: Any) -> list:
-        if self.pg is None and self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
-
-    def _broadcast(self, obj: Any) -> Any:
-        if self.pg is None and self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.pg)
-        return box[0]
+        return self.group.broadcast(obj)
 
     # -- the quorum of a round ----------------------------------------------------------------------
     def start_step(self) -> StepPlan:
@@ -578,12 +542,12 @@ class ReplicaManager:
         table = self._peer_table(msg[0]) if self.is_leader and isinstance(msg, tuple) else None
         if isinstance(msg, tuple):
             msg = (*msg, table is not None)
-        msg = self._broadcast(msg)
+        msg = self.group.broadcast(msg)
         if isinstance(msg, Exception):
             raise msg
         q, self.cursor, scatter = msg
         if scatter:  # the ring changed, or we fetch a state: each rank gets its own addresses
-            mine = self._scatter(table)
+            mine = self.group.scatter(table)
             if "left" in mine:
                 self._ring_peers = (q.epoch, mine["left"], mine["right"])
             if "src" in mine:
@@ -660,15 +624,6 @@ class ReplicaManager:
                 src = sources[q.contributors[(self.rid + r) % len(q.contributors)]]
                 entry["src"] = src[1][r] if src else None
         return table
-
-    def _scatter(self, objs: Optional[list]) -> Any:
-        """Rank r's item of the leader's `objs` (all ranks call it; others pass None)."""
-        if self.pg is None and self.world == 1:
-            assert objs is not None  # one rank: the leader's
-            return objs[0]
-        out = [None]
-        dist.scatter_object_list(out, objs if self.is_leader else None, src=0, group=self.pg)
-        return out[0]
 
     def _report_state(self, digest: Optional[tuple[int, str]] = None) -> dict[str, Any]:
         """Leader: what our full-round report says about our state (Coordinator.quorum's fields).
@@ -1098,7 +1053,7 @@ class ReplicaManager:
                 self._publish_snapshot(q)
         else:
             vote = self._fetch(plan, deadline_s=self.sync_timeout_s)
-        vote = self._vote(vote)
+        vote = self.group.vote(vote)
         if vote == LOST:
             raise ReplicaStateLost(f"replica {self.rid}: adopting replica {q.source}'s state failed midway; the "
                                    "state is partly overwritten, so this replica exits to restart fresh")
@@ -1108,7 +1063,7 @@ class ReplicaManager:
         self._disowned, self._made = False, (q.round, q.epoch)
         if q.rewind is not None:
             cur = ledger.read_cursor(self.store, self.root, self.rid, q.gen) if self.is_leader else 0
-            self.cursor = self._broadcast(cur)
+            self.cursor = self.group.broadcast(cur)
         self._take_digest()
         seconds = time.perf_counter() - t0
         if plan.role == "adopt" and self.is_leader:
@@ -1132,7 +1087,7 @@ class ReplicaManager:
                 verify(path)
             except CheckpointInvalid as e:
                 why = str(e)
-        why = self._broadcast(why)  # every rank loads, or none does (the load is a collective)
+        why = self.group.broadcast(why)  # every rank loads, or none does (the load is a collective)
         if why:
             log.error("replica %d: the rewind's checkpoint does not verify: %s", self.rid, why)
             self._bad_ckpts.add(step)
@@ -1188,7 +1143,7 @@ class ReplicaManager:
         plan = self.last_plan
         if plan is None:
             raise RuntimeError("ReplicaManager.commit: no round was planned (prepare or begin_step first)")
-        result = self._vote(int(vote))
+        result = self.group.vote(int(vote))
         if result == LOST:
             raise ReplicaStateLost(f"replica {self.rid}: a catch-up failed midway; the state is partly overwritten, "
                                    "so this replica exits to restart fresh")
@@ -1209,7 +1164,7 @@ class ReplicaManager:
             self.clip_catchup()  # the contributors clipped these averaged gradients too
         self.stats.freeze_s = self.server.freeze()
         # fp16: an inf/NaN in the averaged gradients skips the step on every rank of every replica
-        skip = self.scaler.overflowed(self._any_rank) if self.scaler is not None else False
+        skip = self.scaler.overflowed(self.group.any) if self.scaler is not None else False
         if not skip:
             saved = [g["lr"] for g in opt.param_groups]
             for g in opt.param_groups:
@@ -1269,9 +1224,6 @@ class ReplicaManager:
                 self.event("disowned", steps=[recs[0][0], recs[-1][0]])
         return not self._disowned
 
-    def _vote(self, vote: int) -> int:
-        return self._reduce_ranks(vote, dist.ReduceOp.MIN)
-
     # -- the divergence guard ------------------------------------------------------------------------
     def digest_due(self, step: int) -> bool:
         """Every replica digests at the same steps: every `digest_every`, and at checkpoints."""
@@ -1294,7 +1246,7 @@ class ReplicaManager:
         if self.world > 1:
             if not self.digest_due(self.step):  # the same answer on every rank: no collective
                 return None
-            got = self._gather(mine)
+            got = self.group.gather(mine)
             if any(g is None or g[0] != got[0][0] for g in got):
                 return None
             return got[0][0], combine(d for _, d in got)
@@ -1308,7 +1260,7 @@ class ReplicaManager:
         if self.is_leader:
             q = self.coord.latest_quorum()
             ahead = q is not None and (q.max_step > self.step or q.gen != self.gen)
-        return bool(self._broadcast(ahead))
+        return bool(self.group.broadcast(ahead))
 
     @property
     def linger_s(self) -> float:
@@ -1331,7 +1283,7 @@ class ReplicaManager:
         if self.is_leader:
             rec = read_finished(self.store, self.root)
             step = rec["step"] if rec else None
-        return self._broadcast(step)
+        return self.group.broadcast(step)
 
     def on_halt(self) -> None:
         """The job halted (diverged states): keep only checkpoints whose digests agreed."""
