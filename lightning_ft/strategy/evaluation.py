@@ -71,7 +71,7 @@ class CrossReplicaReducer:
         self.timeout_s = timeout_s
         self._runs: dict[tuple, int] = {}
         self._prefix = ""
-        self._seq = {"m": 0, "d": 0}
+        self._seq = {"m": 0, "d": 0, "t": 0}
         self.deciding = False
         """Set by the strategy around `reduce_boolean_decision`: callbacks' decisions count
         apart from metric values, so that a replica whose callbacks ask a different number of
@@ -96,7 +96,7 @@ class CrossReplicaReducer:
         ident = (stage, mgr.gen, mgr.step)
         self._runs[ident] = self._runs.get(ident, 0) + 1
         self._prefix = f"{mgr.root}eval/{stage}/{mgr.gen:04d}/{mgr.step:012d}/{self._runs[ident]}/"
-        self._seq = {"m": 0, "d": 0}
+        self._seq = {"m": 0, "d": 0, "t": 0}
 
     def shard(self) -> tuple[int, int]:
         """(this replica's index, number of replicas) for the evaluation being started. From the
@@ -132,7 +132,33 @@ class CrossReplicaReducer:
         dtype = value.dtype if value.is_floating_point() or op != "mean" else torch.get_default_dtype()
         return torch.tensor(out, dtype=dtype, device=value.device).reshape(value.shape)
 
+    def gather(self, value: torch.Tensor) -> list[torch.Tensor]:
+        """`value` from every rank of every replica that evaluates, replica by replica in id
+        order, ranks in order: the `dist_sync_fn` of a torchmetrics object during evaluation
+        (`sync_metrics`), which then reduces the states as over one DDP world. Every rank calls
+        it; the leader talks to etcd."""
+        mgr = self.mgr
+        key = f"{self._prefix}t{self._seq['t']:05d}/"
+        self._seq["t"] += 1
+        ranks = [_tensor_json(t) for t in mgr.gather(value.detach().to("cpu"))]
+        out: Any = None
+        if mgr.is_leader:
+            try:
+                out = self._leader_agree(key, ranks, lambda got: [t for r in sorted(got) for t in got[r]])
+            except Exception as e:  # surfaced on every rank
+                out = e
+        out = mgr.broadcast(out)
+        if isinstance(out, Exception):
+            raise out
+        return [_tensor_of(t, value.device) for t in out]
+
     def _leader_reduce(self, key: str, mine: list[float], op: str) -> list[float]:
+        return self._leader_agree(key, mine, lambda got: _combine([got[r] for r in sorted(got)], op))
+
+    def _leader_agree(self, key: str, mine: Any, combine: Callable[[dict[int, Any]], Any]) -> Any:
+        """Post this replica's `mine` under `key` (if it is counted), wait for every counted
+        replica's (or its failure), and agree on `combine({rid: theirs})`: the first leader with a
+        complete view creates the result; everyone returns the stored one."""
         store = self.mgr.store
         counted = {r for r, _ in self._members}
         if self.mgr.rid in counted:
@@ -150,9 +176,7 @@ class CrossReplicaReducer:
             if not waiting or time.monotonic() > deadline:
                 if not got:  # we are not counted and no counted replica answered: our own value
                     got = {self.mgr.rid: mine}
-                vals = [got[r] for r in sorted(got)]
-                value = _combine(vals, op)
-                store.create(result_key, json.dumps({"value": value, "from": sorted(got)}).encode())
+                store.create(result_key, json.dumps({"value": combine(got), "from": sorted(got)}).encode())
                 continue  # read back what won the create
             time.sleep(self.poll_s)
 
@@ -162,6 +186,37 @@ class CrossReplicaReducer:
             return False
         kv = store.get(keys.members(root, rid))
         return kv is not None and json.loads(kv.value).get("incarnation") == inc
+
+
+def _tensor_json(t: torch.Tensor) -> dict[str, Any]:
+    """A metric state as JSON, exactly (a float32's value is a float64's)."""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.reshape(-1).tolist()}
+
+
+def _tensor_of(d: dict[str, Any], device: Any) -> torch.Tensor:
+    return torch.tensor(d["data"], dtype=getattr(torch, d["dtype"]), device=device).reshape(d["shape"])
+
+
+def sync_metrics(module: Any, reducer: CrossReplicaReducer) -> int:
+    """Point every torchmetrics object of `module` at the replicas: during an evaluation its
+    states are gathered from every rank of every evaluating replica (`reducer.gather`), so
+    `compute()` sees the whole evaluation set, as under DDP; outside one (training metrics)
+    they sync inside the replica only, as before. Returns how many metrics it set (none
+    without torchmetrics imported)."""
+    import sys
+
+    tm = sys.modules.get("torchmetrics")
+    if tm is None:
+        return 0
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    def sync_fn(value: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        return reducer.gather(value) if reducer.active else gather_all_tensors(value, group)
+
+    metrics = [m for m in module.modules() if isinstance(m, tm.Metric)]
+    for m in metrics:
+        m.dist_sync_fn = sync_fn
+    return len(metrics)
 
 
 def _combine(vals: list[list[float]], op: str) -> list[float]:

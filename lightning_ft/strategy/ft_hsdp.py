@@ -255,6 +255,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         trainer: Any = self._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
         if not self._renv.standby:  # a spare names them once promoted (`setup`)
             lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
+        lightning_compat.save_cli_config_once(trainer, writer=self.rid == 0 and not self._renv.standby,
+                                              overwrite=self.incarnation > 0 or bool(os.environ.get("LFT_RESUME")))
         if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(FTMetrics(self))
         self._route_should_stop(trainer)
@@ -508,7 +510,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self.mgr is not None:
+            from lightning_ft.strategy.evaluation import sync_metrics
+
             self._reducer.begin("sanity" if self._module.trainer.sanity_checking else "val")
+            sync_metrics(self._module, self._reducer)  # torchmetrics objects: over the whole set
 
     @override
     def on_validation_end(self) -> None:

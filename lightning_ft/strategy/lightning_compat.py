@@ -66,6 +66,27 @@ def name_unversioned_loggers(trainer: Any, version: str) -> None:
             lg._version = version
 
 
+def save_cli_config_once(trainer: Any, writer: bool, overwrite: bool) -> int:
+    """LightningCLI's SaveConfigCallback under ft_hsdp: every replica's rank 0 is Lightning's
+    global zero, and each would write the job's config.yaml and refuse to start where it
+    exists, so the second replica, and every restarted one, failed. The job writes it once:
+    only `writer` (replica 0, never a spare) saves it; `overwrite` when that is the job's own
+    file again (a restarted incarnation, a resumed job). A first start over another run's
+    file still refuses, as under DDP. Returns how many callbacks it set (none without the CLI)."""
+    import sys
+
+    cli = sys.modules.get("lightning.pytorch.cli")
+    if cli is None:
+        return 0
+    found = [cb for cb in trainer.callbacks if isinstance(cb, cli.SaveConfigCallback)]
+    for cb in found:
+        if not writer:
+            cb.already_saved = True  # its setup then returns at once
+        elif overwrite:
+            cb.overwrite = True
+    return len(found)
+
+
 def should_update_logs(trainer: Any) -> bool:
     return bool(trainer._logger_connector.should_update_logs)
 

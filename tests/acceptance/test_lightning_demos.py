@@ -142,3 +142,53 @@ def json_key(state):
     import json
 
     return None if state is None else json.dumps(state, sort_keys=True, default=float)
+
+
+METRICS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics_app.py")
+
+
+def test_torchmetrics_classifier_unseeded_survives_a_random_kill_and_reports_the_whole_validation_set(
+        tmp_path, etcd_endpoint):
+    """torchmetrics objects logged as objects (issue 24 §4): each validation is sharded over the
+    replicas, and the logged accuracy is the whole validation set's, the same on every replica
+    (a torchmetrics object syncs its state inside a replica only; the replicas' states are
+    summed across them), evaluated once."""
+    steps = 60
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, METRICS, str(steps), replicas=3, steps=steps, seed=6,
+                                  kill=True)
+    assert_consistent(run, steps, 3, faults)
+    vals = _rows(run, "val")
+    by_step: dict[int, list[dict]] = {}
+    for v in vals:
+        by_step.setdefault(v["step"], []).append(v)
+    assert set(by_step) >= {20, 40, 60}, (vals, faults)
+    for step, rows in by_step.items():
+        assert len({(r["val_acc"], r["val_f1"]) for r in rows}) == 1, (step, rows, faults)  # one value everywhere
+        for r in rows:
+            assert abs(r["val_acc"] - r["whole_acc"]) < 1e-6, (step, r, faults)  # the whole set, once
+
+
+CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_app.py")
+
+
+def test_lightningcli_app_takes_its_arguments_and_survives_a_random_kill(tmp_path, etcd_endpoint):
+    """A LightningCLI app (issue 24 §4): `--trainer.*`, `--model.*` and `--data.*` after the
+    script are the app's, `key=value` ones are ours; the strategy itself comes from
+    `--trainer.strategy ft_hsdp`. Every process, the restarted one too, gets the same arguments,
+    and the job ends identical with an exact ledger."""
+    steps = 60
+    args = ("fit", "--trainer.strategy", "ft_hsdp", "--trainer.accelerator=cpu", f"--trainer.max_steps={steps}",
+            "--trainer.logger", "false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", "--model.hidden", "24", "--model.lr=0.1", "--model.momentum=0.5",
+            "--data.batch_size=8", f"--trainer.default_root_dir={tmp_path / 'cli_root'}")
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, CLI, *args, replicas=3, steps=steps, seed=7, kill=True)
+    assert_consistent(run, steps, 3, faults)
+    got = _rows(run, "args")
+    assert len(got) >= 4, (got, faults)  # three replicas and the restarted incarnation
+    assert {(a["strategy"], a["max_steps"], a["hidden"], a["lr"], a["momentum"], a["batch_size"]) for a in got} == {
+        ("FTHSDPStrategy", steps, 24, 0.1, 0.5, 8)}, (got, faults)
+    # the job's config, written once (by replica 0), as the CLI parsed it
+    import yaml
+
+    saved = yaml.safe_load(open(tmp_path / "cli_root" / "config.yaml"))
+    assert (saved["trainer"]["strategy"], saved["model"]["hidden"], saved["data"]["batch_size"]) == ("ft_hsdp", 24, 8)

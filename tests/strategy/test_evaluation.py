@@ -77,3 +77,46 @@ def test_a_member_that_caught_up_in_the_last_round_is_not_waited_for():
 def test_a_replica_outside_the_contributors_reads_their_result_and_adds_nothing():
     red = reducer_of_replica_0({1: [3.0], 2: [5.0]}, contributors=(1, 2))
     assert float(red.reduce(torch.tensor(100.0), "mean")) == pytest.approx(4.0)
+
+
+def test_metric_states_gather_from_every_replica_in_id_order_exactly():
+    """A torchmetrics object's states during evaluation (`sync_metrics`): the tensors of every
+    rank of every evaluating replica, replica 0's first, dtypes, shapes and values exact."""
+    from lightning_ft.strategy.evaluation import _tensor_json
+
+    red = reducer_of_replica_0({})
+    red.mgr.gather = lambda t: [t, t + 1]  # this replica's two ranks
+    theirs = {1: [torch.tensor([[1, 2], [3, 4]], dtype=torch.int64)], 2: [torch.tensor([[9, 9], [9, 9]])]}
+    for rid, ts in theirs.items():
+        red.mgr.store.put(f"{red._prefix}t00000/{rid}", json.dumps([_tensor_json(t) for t in ts]).encode())
+    mine = torch.tensor([[5, 6], [7, 8]])
+    got = red.gather(mine)
+    assert [t.tolist() for t in got] == [[[5, 6], [7, 8]], [[6, 7], [8, 9]], [[1, 2], [3, 4]], [[9, 9], [9, 9]]]
+    assert {t.dtype for t in got} == {torch.int64}
+    x = torch.tensor([0.1, 1 / 3], dtype=torch.float32)  # float32 through JSON's float64: exact
+    red.mgr.store.put(f"{red._prefix}t00001/1", json.dumps([_tensor_json(x)]).encode())
+    red.mgr.store.put(f"{red._prefix}t00001/2", json.dumps([_tensor_json(x)]).encode())
+    red.mgr.gather = lambda t: [t]
+    assert all(torch.equal(t, x) for t in red.gather(x))
+
+
+def test_sync_metrics_points_torchmetrics_objects_at_the_replicas_during_evaluation_only():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from lightning_ft.strategy.evaluation import sync_metrics
+
+    module = torch.nn.Module()
+    module.acc = torchmetrics.Accuracy(task="binary")
+    module.inner = torch.nn.Sequential(torchmetrics.MeanMetric())
+    red = SimpleNamespace(active=True, gather=lambda t: [t, t])
+    assert sync_metrics(module, red) == 2
+    module.acc.update(torch.tensor([1, 0, 1]), torch.tensor([1, 1, 1]))
+    assert float(module.acc.dist_sync_fn(torch.tensor(2.0))[1]) == 2.0
+    # torchmetrics syncs through it at compute: two "processes" with the same counts, same accuracy
+    module.acc.distributed_available_fn = lambda: True
+    assert float(module.acc.compute()) == pytest.approx(2 / 3)
+    # a training metric outside evaluation: torchmetrics' own gather inside the replica (which
+    # needs torch.distributed, not initialized here), never the replicas'
+    red.active = False
+    red.gather = lambda t: pytest.fail("gathered across replicas outside an evaluation")
+    with pytest.raises(ValueError, match="[Dd]efault process group"):
+        module.acc.dist_sync_fn(torch.tensor(1.0))

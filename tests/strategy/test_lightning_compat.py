@@ -36,3 +36,22 @@ def test_a_checkpoint_written_by_lightning_has_the_batch_count_where_we_read_it(
     state = {"loops": {"fit_loop": trainer.fit_loop.state_dict()}}
     assert lightning_compat.checkpoint_batches(state) == 10
     assert lightning_compat.checkpoint_batches({}) == -1
+
+
+def test_the_cli_config_is_saved_by_replica_0_once_and_restarts_overwrite_their_own(tmp_path):
+    """LightningCLI's SaveConfigCallback: replica 0 writes config.yaml (refusing another run's
+    file on its first start, as under DDP), a restart rewrites its own, the others never write."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.cli import SaveConfigCallback
+
+    def trainer():
+        return SimpleNamespace(callbacks=[SaveConfigCallback(parser=None, config=None), L.Callback()])
+
+    first, other, restarted = trainer(), trainer(), trainer()
+    assert lightning_compat.save_cli_config_once(first, writer=True, overwrite=False) == 1
+    assert (first.callbacks[0].already_saved, first.callbacks[0].overwrite) == (False, False)
+    lightning_compat.save_cli_config_once(other, writer=False, overwrite=True)
+    assert other.callbacks[0].already_saved
+    lightning_compat.save_cli_config_once(restarted, writer=True, overwrite=True)
+    assert (restarted.callbacks[0].already_saved, restarted.callbacks[0].overwrite) == (False, True)
