@@ -12,7 +12,8 @@ retries). This class only adapts Lightning's hooks to it:
 - `optimizer_step`: `mgr.run_step(closure, ...)`, then Lightning's counters from the
   committed step count, the checkpoint, the run log.
 
-Side jobs live in their own modules: schedulers.py (schedulers stepped once per committed
+Start-up lives in replica_start.py (a finished job's late replica leaves; the replica layer is
+built and started). Side jobs live in their own modules: schedulers.py (schedulers stepped once per committed
 step), sharding.py (auto `fully_shard`), checkpoints.py (persistent checkpoints),
 runlog.py (steps.jsonl, final.json, metrics), sampler.py (the exactly-once batch sampler),
 streaming.py (stream loaders over an IterableDataset: split, loader states, resume).
@@ -36,7 +37,8 @@ from lightning_ft.config import FTConfig
 from lightning_ft.constants import ExitCode
 from lightning_ft.replica import startup
 from lightning_ft.replica.data import SlotStream
-from lightning_ft.strategy import lightning_compat
+from lightning_ft.strategy import lightning_compat, replica_start
+from lightning_ft.strategy.errors import FTHSDPError
 from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
 from lightning_ft.strategy.schedulers import CommittedSchedulers
@@ -48,10 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-
-class FTHSDPError(RuntimeError):
-    """A misuse or an unrecoverable state, with what to do about it."""
 
 
 def _replica_env() -> Any:
@@ -251,7 +249,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
         if self._module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
             self._fit_started = True
-            self._exit_if_finished()
+            replica_start.exit_if_finished(self)
         trainer: Any = self._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
         if not self._renv.standby:  # a spare names them once promoted (`setup`)
             lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
@@ -292,27 +290,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                                           "_ft_routes_should_stop": True,
                                                           "__module__": cls.__module__})
 
-    def _exit_if_finished(self) -> None:
-        """A replica (re)started after the job finished leaves before any user hook runs (no
-        `setup`, no `on_train_end` on untrained weights)."""
-        from lightning_ft.replica.ending import finished_record
-
-        done = None
-        if self.global_rank == 0:
-            assert self.cfg is not None  # setup_environment loaded it
-            env = self._renv
-            done = finished_record(self.cfg.etcd, env.job, env.etcd, self._secret, env.run_id)
-        if self.world_size > 1:
-            box = [done]
-            dist.broadcast_object_list(box, src=0)
-            done = box[0]
-        if done is not None:
-            if self.global_rank == 0:
-                print(f"lightning-ft: replica {self.rid}: the job already finished ({done}); nothing to train",
-                      file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(0)
-
     # -- model: FSDP2 inside the replica ----------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
@@ -337,88 +314,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
             if self.mgr is None:
-                self._start_replica(trainer)
-
-    def _start_replica(self, trainer: Any) -> None:
-        from lightning_ft.config import checkpoint_dir
-        from lightning_ft.replica.manager import ReplicaManager
-
-        if len(self.optimizers) != 1 and (self._module.automatic_optimization or not self.optimizers):
-            raise FTHSDPError(f"ft_hsdp steps one optimizer per batch under automatic optimization (several need "
-                              f"manual optimization, as under DDP); configure_optimizers returned "
-                              f"{len(self.optimizers)}")
-        cfg = self.cfg
-        assert cfg is not None  # setup_environment loaded it
-        if cfg.batch_policy == "constant" and not self._module.automatic_optimization:
-            raise FTHSDPError("batch_policy=constant trains absent replicas' batches with the LightningModule's "
-                              "training_step, which needs automatic optimization; use batch_policy=shrink with "
-                              "manual optimization")
-        if self.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
-            cfg.lr_intervention = self.lr_intervention
-        self._schedulers = CommittedSchedulers(self.lr_scheduler_configs,
-                                               manual=not self._module.automatic_optimization)
-        world = self.world_size
-        # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
-        # collectives run on the default group.
-        pg = dist.new_group(backend="gloo") if world > 1 else None
-        from lightning_ft.replica.optimizers import OptimizerError
-
-        try:  # several (manual optimization): every optimizer.step() is a round (quorum rule 15)
-            self.mgr = ReplicaManager.from_config(
-                # from_config's annotation says one Optimizer; the manager takes the list (replica/optimizers.py)
-                self._module, list(self.optimizers), cfg, job=self._renv.job, rid=self.rid,  # type: ignore[arg-type]
-                incarnation=self.incarnation, num_replicas=self.num_replicas, secret=self._secret,
-                etcd=self._renv.etcd, rank=self.global_rank, world=world, pg=pg, scheduler=self._schedulers,
-                run_dir=self._renv.run_dir, run_id=self._renv.run_id, standby=self._renv.standby)
-        except OptimizerError as e:
-            raise FTHSDPError(f"ft_hsdp: {e}") from None
-        self.mgr.on_commit = self._on_commit
-        self.mgr.set_scaler(getattr(self.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
-        self.mgr.clip_catchup = self._clip_catchup
-        from lightning_ft.strategy.callback_state import CallbackState
-
-        extras: dict[str, Any] = {}
-        if not self._module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
-            from lightning_ft.strategy.manual_clip import DeferredClip
-
-            self._manual_clip = DeferredClip(self.precision_plugin, lambda: self.optimizers)
-            extras["clip"] = self._manual_clip
-            if world > 1:
-                from lightning_ft.strategy.sharding import reshard_on_toggle
-
-                reshard_on_toggle(self.lightning_module)
-        self.mgr.callbacks = CallbackState(lambda: getattr(self.lightning_module, "_trainer", None), extras)
-        resume = os.environ.get("LFT_RESUME")
-        if resume:
-            t0 = time.perf_counter()
-            self.mgr.load_checkpoint(resume)
-            if self.global_rank == 0:
-                print(f"lightning-ft: replica {self.rid} resumed from {resume} (step {self.mgr.step}) in "
-                      f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
-        from lightning_ft.coord.coordinator import JobFinished
-        from lightning_ft.strategy.evaluation import CrossReplicaReducer
-
-        # half the hang guard: a value that never comes must not make this replica look hung
-        self._reducer = CrossReplicaReducer(self.mgr, timeout_s=cfg.etcd.hang_timeout_s / 2)
-        try:
-            self.mgr.start()  # a warm spare waits here until promoted: the replica id is known after
-        except JobFinished:
-            if not self._renv.standby:
-                raise
-            if self.global_rank == 0:
-                print("lightning-ft: the job finished; this warm spare was not needed", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(0)
-        if self._renv.standby:
-            lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")
-        if cfg.checkpoint.every_n_steps > 0:
-            from lightning_ft.strategy.checkpoints import ReplicaCheckpoints
-
-            self._ckpt = ReplicaCheckpoints(self.mgr, checkpoint_dir(cfg), cfg.checkpoint.keep,
-                                            cfg.checkpoint.every_n_steps, self.global_rank, world, self.rid)
-        self._steplog = StepLog(self.rid, self.incarnation)
-        if self.overlap:
-            self.mgr.enable_overlap(cfg.ftar.bucket_bytes)
+                replica_start.start_replica(self, trainer)
 
     def _on_commit(self, plan: Any) -> None:
         self.committed_in_call += 1

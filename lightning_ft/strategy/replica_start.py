@@ -1,0 +1,130 @@
+"""The start of a replica under `FTHSDPStrategy` (docs/ARCHITECTURE.md, "Lightning glue"): a
+process that finds its job already finished leaves before any user hook (`exit_if_finished`,
+from `setup_environment`), and `start_replica` (from `setup`, once the optimizers exist)
+builds the replica layer: the ReplicaManager from the job config, its hooks into Lightning
+(committed schedulers, the loss scaler, clipping of a catch-up's gradients, callbacks' state),
+a `--resume` checkpoint, the cross-replica evaluation, persistent checkpoints and the run log.
+A warm spare waits inside `mgr.start()` until it is promoted.
+
+This module, not the strategy, talks to etcd at start-up; the strategy adapts Lightning's hooks.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lightning_ft.strategy import lightning_compat
+from lightning_ft.strategy.errors import FTHSDPError
+from lightning_ft.strategy.runlog import StepLog
+from lightning_ft.strategy.schedulers import CommittedSchedulers
+
+if TYPE_CHECKING:
+    from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
+
+
+def exit_if_finished(s: FTHSDPStrategy) -> None:
+    """A replica (re)started after the job finished leaves before any user hook runs (no
+    `setup`, no `on_train_end` on untrained weights)."""
+    from lightning_ft.replica.ending import finished_record
+
+    done = None
+    if s.global_rank == 0:
+        assert s.cfg is not None  # setup_environment loaded it
+        env = s._renv
+        done = finished_record(s.cfg.etcd, env.job, env.etcd, s._secret, env.run_id)
+    if s.world_size > 1:
+        box = [done]
+        dist.broadcast_object_list(box, src=0)
+        done = box[0]
+    if done is not None:
+        if s.global_rank == 0:
+            print(f"lightning-ft: replica {s.rid}: the job already finished ({done}); nothing to train",
+                  file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
+    """Build and start the replica layer of strategy `s` (every rank; see the module docstring)."""
+    from lightning_ft.config import checkpoint_dir
+    from lightning_ft.replica.manager import ReplicaManager
+
+    if len(s.optimizers) != 1 and (s._module.automatic_optimization or not s.optimizers):
+        raise FTHSDPError(f"ft_hsdp steps one optimizer per batch under automatic optimization (several need "
+                          f"manual optimization, as under DDP); configure_optimizers returned "
+                          f"{len(s.optimizers)}")
+    cfg = s.cfg
+    assert cfg is not None  # setup_environment loaded it
+    if cfg.batch_policy == "constant" and not s._module.automatic_optimization:
+        raise FTHSDPError("batch_policy=constant trains absent replicas' batches with the LightningModule's "
+                          "training_step, which needs automatic optimization; use batch_policy=shrink with "
+                          "manual optimization")
+    if s.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
+        cfg.lr_intervention = s.lr_intervention
+    s._schedulers = CommittedSchedulers(s.lr_scheduler_configs, manual=not s._module.automatic_optimization)
+    world = s.world_size
+    # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
+    # collectives run on the default group.
+    pg = dist.new_group(backend="gloo") if world > 1 else None
+    from lightning_ft.replica.optimizers import OptimizerError
+
+    try:  # several (manual optimization): every optimizer.step() is a round (quorum rule 15)
+        s.mgr = ReplicaManager.from_config(
+            # from_config's annotation says one Optimizer; the manager takes the list (replica/optimizers.py)
+            s._module, list(s.optimizers), cfg, job=s._renv.job, rid=s.rid,  # type: ignore[arg-type]
+            incarnation=s.incarnation, num_replicas=s.num_replicas, secret=s._secret,
+            etcd=s._renv.etcd, rank=s.global_rank, world=world, pg=pg, scheduler=s._schedulers,
+            run_dir=s._renv.run_dir, run_id=s._renv.run_id, standby=s._renv.standby)
+    except OptimizerError as e:
+        raise FTHSDPError(f"ft_hsdp: {e}") from None
+    s.mgr.on_commit = s._on_commit
+    s.mgr.set_scaler(getattr(s.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
+    s.mgr.clip_catchup = s._clip_catchup
+    from lightning_ft.strategy.callback_state import CallbackState
+
+    extras: dict[str, Any] = {}
+    if not s._module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
+        from lightning_ft.strategy.manual_clip import DeferredClip
+
+        s._manual_clip = DeferredClip(s.precision_plugin, lambda: s.optimizers)
+        extras["clip"] = s._manual_clip
+        if world > 1:
+            from lightning_ft.strategy.sharding import reshard_on_toggle
+
+            reshard_on_toggle(s.lightning_module)
+    s.mgr.callbacks = CallbackState(lambda: getattr(s.lightning_module, "_trainer", None), extras)
+    resume = os.environ.get("LFT_RESUME")
+    if resume:
+        t0 = time.perf_counter()
+        s.mgr.load_checkpoint(resume)
+        if s.global_rank == 0:
+            print(f"lightning-ft: replica {s.rid} resumed from {resume} (step {s.mgr.step}) in "
+                  f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
+    from lightning_ft.coord.coordinator import JobFinished
+    from lightning_ft.strategy.evaluation import CrossReplicaReducer
+
+    # half the hang guard: a value that never comes must not make this replica look hung
+    s._reducer = CrossReplicaReducer(s.mgr, timeout_s=cfg.etcd.hang_timeout_s / 2)
+    try:
+        s.mgr.start()  # a warm spare waits here until promoted: the replica id is known after
+    except JobFinished:
+        if not s._renv.standby:
+            raise
+        if s.global_rank == 0:
+            print("lightning-ft: the job finished; this warm spare was not needed", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+    if s._renv.standby:
+        lightning_compat.name_unversioned_loggers(trainer, f"replica_{s.rid}")
+    if cfg.checkpoint.every_n_steps > 0:
+        from lightning_ft.strategy.checkpoints import ReplicaCheckpoints
+
+        s._ckpt = ReplicaCheckpoints(s.mgr, checkpoint_dir(cfg), cfg.checkpoint.keep,
+                                     cfg.checkpoint.every_n_steps, s.global_rank, world, s.rid)
+    s._steplog = StepLog(s.rid, s.incarnation)
+    if s.overlap:
+        s.mgr.enable_overlap(cfg.ftar.bucket_bytes)
