@@ -185,3 +185,76 @@ def test_torchrun_and_launcher_replicas_on_two_hosts_restart_catch_up_and_end_id
             rid = int(kv.key.split("/")[-3])
             ftar, state = decode_blocks([kv.value], 2)
             assert all(a.startswith(hosts[rid] + ":") for a in (*ftar, *state)), (rid, ftar, state)
+
+
+@pytest.mark.timeout(400)
+def test_a_warm_spare_on_another_host_takes_over_a_killed_replica(tmp_path):
+    """Issue 25 §1, multi-host: one launcher runs replica r on host r (`LFT_REPLICA_WRAP`, a
+    network namespace each) and keeps one warm spare, placed beside replica 1. Replica 0 is
+    SIGKILLed: the spare on replica 1's host becomes replica 0's next incarnation, catches up
+    over the bridge, and the job ends identical with an exact ledger."""
+    from lightning_ft.bench.localjob import LOOP
+
+    steps = 200
+    with netns.Net() as net:
+        he = net.host("e")
+        for rid in range(2):
+            net.host(f"r{rid}")
+        etcd = start_etcd(he, tmp_path)
+        job, run_dir = "spare" + uuid.uuid4().hex[:6], tmp_path / "run"
+        wrap = f"ip netns exec {net.tag}r{{rid}}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "2", "--nproc-per-replica", "1",
+             "--etcd", etcd, "--job", job, "--run-dir", str(run_dir), "--no-status", "--timeout", "300",
+             LOOP, "--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "2", "--init-timeout", "60",
+             "--step-sleep", "0.05", "--steps", str(steps), *OVERRIDES, "supervisor.standby=1",
+             "etcd.connect_timeout_s=30"],
+            env=clean_env(LFT_REPLICA_WRAP=wrap), stdout=open(tmp_path / "launcher.log", "w"),
+            stderr=subprocess.STDOUT)
+        events = run_dir / "events.jsonl"
+
+        def diag() -> str:
+            return "\n".join([tail(tmp_path / "launcher.log"), tail(events)] +
+                             [tail(p, 1500) for p in sorted((run_dir / "logs").glob("*.log"))])
+
+        def spare_waiting() -> bool:
+            from lightning_ft.coord import standby
+
+            store = EtcdStore(etcd)
+            try:
+                return bool(standby.spares(store, run_root(store, job)))
+            except Exception:  # the run is not recorded yet
+                return False
+            finally:
+                store.close()
+
+        try:
+            wait_for(spare_waiting, 150, "the spare registered", [proc])
+            wait_for(lambda: [r for r in rows(run_dir / "logs" / "r0.i0.rank0.log") if r.get("event") == "step"
+                              and r.get("step", 0) >= 20], 120, "replica 0 training", [proc])
+            start = next(e for e in rows(events) if e["event"] == "start" and e["replica"] == 0)
+            os.kill(start["pids"][0], signal.SIGKILL)
+            proc.wait(timeout=240)
+        except BaseException:
+            proc.kill()
+            raise AssertionError(diag()) from None
+        assert proc.returncode == 0, diag()
+        store = EtcdStore(etcd)
+        try:
+            root = run_root(store, job)
+            ledger = verify_ledger(store, root, read_cursors(store, root, range(2)))
+        finally:
+            store.close()
+    ev = rows(events)
+    spare = next(e for e in ev if e["event"] == "spare_start")
+    restart = next(e for e in ev if e["event"] == "restart" and e["replica"] == 0)
+    assert spare["host"] == wrap.format(rid=1), spare  # placed beside replica 1, on its host
+    assert restart.get("standby") == spare["token"] and restart.get("host") == spare["host"], (restart, diag())
+    finals = {}
+    for path in sorted((run_dir / "logs").glob("r*.rank0.log")):  # a promoted spare's: linked as r0.i1
+        for line in open(path, errors="replace"):
+            if line.startswith('{"t"') and '"event": "final"' in line:
+                finals[int(path.name[1:path.name.index(".")])] = json.loads(line)
+    assert set(finals) == {0, 1} and {f["step"] for f in finals.values()} == {steps}, (finals, diag())
+    assert finals[0]["digest"] == finals[1]["digest"], finals
+    assert ledger.ok and ledger.steps == steps, (ledger.duplicates, ledger.gaps, ledger.conflicts)
