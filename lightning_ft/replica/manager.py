@@ -284,8 +284,6 @@ class ReplicaManager:
         checkpoint and at close; steady rounds only append."""
         self._ledger_lock = threading.Lock()
         self._committed_round = -1
-        self.steady = True
-        """Whether steady rounds (no etcd while nothing changes) may be used."""
         self._bg: Optional[ThreadPoolExecutor] = None
         self._stash: Optional[StepPlan] = None
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -644,7 +642,7 @@ class ReplicaManager:
         """Leader: the next round without etcd when nothing changed (quorum.steady_next); else
         None, after stopping the others from going steady when they may (`must_abort`)."""
         q = self.coord.current
-        if q is None or not self.steady:
+        if q is None:
             return None
         view = LocalView(committed=self._committed_round == q.round, changed=self.coord.changed,
                          digest_due=self.digest_due(q.max_step + 1), stop=self.request_stop,
