@@ -38,8 +38,16 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
             got["raised"] = str(e)  # every rank raises the leader's exception, none waits
         with open(f"{out}.{rank}", "w") as f:
             f.write(repr(got))
-    finally:
-        dist.destroy_process_group()
+        dist.barrier()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    # Leave without tearing gloo down: a rank destroying its group while a peer's gloo threads
+    # still wind down aborts ("terminate called without an active exception"; CI saw SIGABRT
+    # once). The results are on disk already.
+    os._exit(0)
 
 
 def test_three_ranks_agree_and_every_rank_raises_the_leaders_exception():
