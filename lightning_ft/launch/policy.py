@@ -40,7 +40,6 @@ class Limits:
     crash_loop: int = 3
     """Failures in a row with one exit code before any commit that end a crash loop."""
     max_restarts: int = 1 << 30
-    restart_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)

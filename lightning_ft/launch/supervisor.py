@@ -290,7 +290,7 @@ class Supervisor:
         """The settings launch/policy.py's rules read (attributes: tests and callers may change them)."""
         return policy.Limits(start_timeout_s=self.start_timeout_s, hang_grace_s=self.hang_grace_s,
                              exit_timeout_s=self.exit_timeout_s, crash_loop=self.crash_loop,
-                             max_restarts=self.max_restarts, restart_delay_s=self.restart_delay_s)
+                             max_restarts=self.max_restarts)
 
     @property
     def root(self) -> str:

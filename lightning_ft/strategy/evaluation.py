@@ -118,15 +118,8 @@ class CrossReplicaReducer:
         kind = "d" if self.deciding else "m"
         key = f"{self._prefix}{kind}{self._seq[kind]:05d}/"
         self._seq[kind] += 1
-        out: Any = None
-        if mgr.is_leader:
-            try:
-                out = self._leader_reduce(key, value.detach().to("cpu", torch.float64).reshape(-1).tolist(), op)
-            except Exception as e:  # surfaced on every rank
-                out = e
-        out = mgr.broadcast(out)
-        if isinstance(out, Exception):
-            raise out
+        mine = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
+        out = mgr.group.leader_result(lambda: self._leader_reduce(key, mine, op))  # its exception on every rank
         # The mean of integers (Lightning's batch-size counts) is not an integer: as DDP's reduce,
         # return it as a float instead of truncating it.
         dtype = value.dtype if value.is_floating_point() or op != "mean" else torch.get_default_dtype()
@@ -141,15 +134,8 @@ class CrossReplicaReducer:
         key = f"{self._prefix}t{self._seq['t']:05d}/"
         self._seq["t"] += 1
         ranks = [_tensor_json(t) for t in mgr.gather(value.detach().to("cpu"))]
-        out: Any = None
-        if mgr.is_leader:
-            try:
-                out = self._leader_agree(key, ranks, lambda got: [t for r in sorted(got) for t in got[r]])
-            except Exception as e:  # surfaced on every rank
-                out = e
-        out = mgr.broadcast(out)
-        if isinstance(out, Exception):
-            raise out
+        out = mgr.group.leader_result(
+            lambda: self._leader_agree(key, ranks, lambda got: [t for r in sorted(got) for t in got[r]]))
         return [_tensor_of(t, value.device) for t in out]
 
     def _leader_reduce(self, key: str, mine: list[float], op: str) -> list[float]:

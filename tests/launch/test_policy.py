@@ -9,8 +9,7 @@ from lightning_ft.launch.policy import (Done, ExitFailed, Facts, Halted, History
                                         LogExit, Missing, Need, NotRestarted, Pending, Promote, Seen, View, Wait,
                                         after_failure, next_action, restart_action)
 
-LIM = Limits(start_timeout_s=60.0, hang_grace_s=2.0, exit_timeout_s=30.0, crash_loop=3, max_restarts=5,
-             restart_delay_s=1.0)
+LIM = Limits(start_timeout_s=60.0, hang_grace_s=2.0, exit_timeout_s=30.0, crash_loop=3, max_restarts=5)
 NOW = 1000.0
 
 

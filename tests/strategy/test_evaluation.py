@@ -9,6 +9,7 @@ import torch
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.store import MemoryStore
+from lightning_ft.replica.group import ReplicaGroup
 from lightning_ft.strategy.evaluation import CrossReplicaReducer
 
 
@@ -20,7 +21,7 @@ def reducer_of_replica_0(others: dict[int, list[float]], contributors=(0, 1, 2),
         store.put(keys.members(root, rid), json.dumps({"incarnation": 0}).encode())
     q = SimpleNamespace(members=(0, 1, 2), incarnations=(0, 0, 0), contributors=contributors)
     mgr = SimpleNamespace(rid=0, incarnation=0, gen=0, step=10, root=root, store=store, is_leader=True,
-                          last_plan=SimpleNamespace(quorum=q), broadcast=lambda x: x)
+                          last_plan=SimpleNamespace(quorum=q), group=ReplicaGroup(0, 1))
     red = CrossReplicaReducer(mgr, timeout_s=timeout_s)
     red.begin("val")
     for seq, values in enumerate(zip(*others.values(), strict=True)):
