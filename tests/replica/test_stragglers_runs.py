@@ -53,8 +53,13 @@ def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identi
         t_release = time.time()
         during = rate(r0.rows, t_out, t_release)
         ev = read_events(run_dir, "straggler")
-        assert ev and ev[0]["replica"] == 1 and ev[0]["ratio"] >= 1.3 and ev[0]["policy"] == "exclude", ev
-        assert ev[0]["window"] == 10 and ev[0]["until_round"] > ev[0]["round"]
+        # The throttled replica's exclusion. Under CI load a healthy replica can be flagged too
+        # (CI saw replica 0 flagged before replica 1): the shared cores slow one replica's window
+        # by 1.3x. That costs it one probation; what this test pins is that the throttled one is
+        # found and sits out.
+        out1 = [e for e in ev if e["replica"] == 1 and "until_round" in e and e["t"] >= t_throttle - 1.0]
+        assert out1 and out1[0]["ratio"] >= 1.3 and out1[0]["policy"] == "exclude", ev
+        assert out1[0]["window"] == 10 and out1[0]["until_round"] > out1[0]["round"]
         # released: it rejoins by catch-up and trains again
         r1 = job.replicas[1]
         r1.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release and x["role"] == "train", 90)
