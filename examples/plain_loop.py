@@ -164,7 +164,9 @@ def main(argv: list[str]) -> int:
     if a.reference:
         return reference(a)
     from lightning_ft.coord.coordinator import JobFinished
+    from lightning_ft.replica.group import ReplicaGroup
     from lightning_ft.replica.manager import ReplicaManager
+    from lightning_ft.replica.settings import Identity, Settings
 
     from lightning_ft import secret
     from lightning_ft.config import load_config
@@ -197,15 +199,14 @@ def main(argv: list[str]) -> int:
     opt = build_optimizer(a, model)
     data = Data(a)
     stream = SlotStream(a.samples, a.batch, R, seed=a.seed)
-    mgr = ReplicaManager(model, opt, job=renv.job, rid=rid, incarnation=inc, num_replicas=R,
-                         secret=secret.resolve(cfg.secret), etcd=renv.etcd, rank=rank, world=world, pg=pg,
-                         lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
-                         ftar_connect_timeout_s=cfg.ftar.connect_timeout_s,
-                         lr_intervention=a.lr_mode, chunk_bytes=a.chunk_bytes, num_chunks=4,
-                         digest_every=a.digest_every,
-                         run_dir=renv.run_dir, run_id=renv.run_id, bind_host=cfg.network.bind_host,
-                         advertise_host=cfg.network.advertise_host, stragglers=cfg.stragglers,
-                         hang_report_after_s=cfg.hang.report_after_s, standby=renv.standby)
+    who = Identity(renv.job, rid, inc, R, secret.resolve(cfg.secret), renv.etcd, run_id=renv.run_id,
+                   standby=renv.standby)
+    settings = Settings(lease_ttl_s=a.ttl, ftar_timeout_s=a.ftar_timeout, init_timeout_s=a.init_timeout,
+                        ftar_connect_timeout_s=cfg.ftar.connect_timeout_s, lr_intervention=a.lr_mode,
+                        chunk_bytes=a.chunk_bytes, num_chunks=4, digest_every=a.digest_every,
+                        bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
+                        stragglers=cfg.stragglers, hang_report_after_s=cfg.hang.report_after_s)
+    mgr = ReplicaManager(model, opt, who, settings, group=ReplicaGroup(rank, world, pg), run_dir=renv.run_dir)
     if renv.standby and rank == 0:
         emit(event="standby", token=renv.standby)
     try:

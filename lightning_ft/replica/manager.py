@@ -50,9 +50,10 @@ from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.ring import neighbours
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
 from lightning_ft.replica import data as ledger
-from lightning_ft.replica.batch_policy import POLICIES, round_batches
+from lightning_ft.replica.batch_policy import round_batches
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.group import ReplicaGroup
+from lightning_ft.replica.settings import Identity, Settings
 from lightning_ft.replica import startup
 from lightning_ft.replica.catchup import CatchupError, StateServer, fetch_state
 from lightning_ft.replica.optimizers import Optimizers, unwrap
@@ -166,24 +167,15 @@ def _opened(part: Optional[_T], what: str) -> _T:
 class ReplicaManager:
     """One per rank. The leader (rank 0 of the replica) also owns the Coordinator."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, *, job: str, rid: int,
-                 incarnation: int, num_replicas: int, secret: str, etcd: str = "", store: Optional[Store] = None,
-                 rank: int = 0, world: int = 1, pg: Any = None, min_replicas: int = 1, prefix: str = "/lft",
-                 lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0, init_timeout_s: float = 10.0,
-                 poll_interval_s: float = 0.05, lr_intervention: str = "sqrt", chunk_bytes: int = 4 << 20,
-                 num_chunks: int = 4, ftar_timeout_s: float = 5.0, ftar_connect_timeout_s: float = 5.0,
-                 transport: str = "tcp", quorum_timeout_s: Optional[float] = None,
-                 bind_host: str = "127.0.0.1", advertise_host: str = "",
-                 fingerprint: Optional[dict] = None, scheduler: Any = None, digest_every: int = 1,
-                 checkpoint_every: int = 0, checkpoint_root: str = "", run_dir: str = "",
-                 sync_timeout_s: float = 120.0, etcd_config: Any = None, num_programs: int = 2,
-                 run_id: str = "", batch_policy: str = "shrink", stragglers: Any = None,
-                 hang_report_after_s: float = 1.0, standby: str = "") -> None:
-        if lr_intervention not in LR_MODES:
-            raise ValueError(f"lr_intervention {lr_intervention!r} is not one of {LR_MODES}")
-        if batch_policy not in POLICIES:
-            raise ValueError(f"batch_policy {batch_policy!r} is not one of {POLICIES}")
-        self.batch_policy = batch_policy
+    def __init__(self, model: torch.nn.Module, optimizer: Any, who: Identity, settings: Optional[Settings] = None, *,
+                 group: Optional[ReplicaGroup] = None, scheduler: Any = None, store: Optional[Store] = None,
+                 run_dir: str = "") -> None:
+        """`who`: the replica; `settings`: the protocol's knobs (replica/settings.py); `group`: this
+        replica's ranks (default: one rank); `store`: an open etcd client for the leader (default:
+        `start` opens one at `who.etcd`)."""
+        st = self.settings = settings or Settings()
+        group = group or ReplicaGroup(0, 1, None)
+        self.batch_policy = st.batch_policy
         if isinstance(optimizer, (list, tuple)):  # manual optimization with several: replica/optimizers.py
             optimizer = optimizer[0] if len(optimizer) == 1 else Optimizers(optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -197,34 +189,33 @@ class ReplicaManager:
         self._all_buckets: list[GradBuckets] = []
         # Captured now, while FSDP2's parameters are the sharded DTensors (see state.py).
         self._named_params = list(model.named_parameters())
-        self.job, self.rid, self.incarnation = job, rid, incarnation
-        self.standby = standby
+        self.job, self.rid, self.incarnation = who.job, who.rid, who.incarnation
+        self.standby = who.standby
         """A warm spare's token (coord/standby.py): `start` waits to be promoted, and takes the
         replica id and incarnation it is given; "" for a replica."""
-        self.R, self.rank, self.world, self.pg = num_replicas, rank, world, pg
-        self.group = ReplicaGroup(rank, world, pg)
+        self.R, self.rank, self.world, self.pg = who.num_replicas, group.rank, group.world, group.pg
+        self.group = group
         """This replica's ranks: the collectives inside it (replica/group.py)."""
-        self.secret = secret
-        self._etcd, self._store = etcd, store
-        self._etcd_config = etcd_config
-        """The job's `etcd` config section (TLS, auth, connect timeout); None: $LFT_CONFIG's or defaults."""
-        self.prefix = prefix
-        self.run_id = run_id
+        self.secret = who.secret
+        self._etcd, self._store = who.etcd, store
+        self.prefix = st.prefix
+        self.run_id = who.run_id
         """The job's run (coord/runs.py): "" = join or start the run recorded in etcd."""
-        self.root = keys.root(prefix, job, run_id)
+        self.root = keys.root(st.prefix, who.job, who.run_id)
         """This run's keyspace; set by `start` once the run is known."""
-        self.lr_mode = lr_intervention
-        self.quorum_timeout_s = quorum_timeout_s
-        fp = dict(fingerprint or {"job": job, "replicas": num_replicas, "nproc_per_replica": world})
+        self.lr_mode = st.lr_intervention
+        R, world = who.num_replicas, group.world
+        fp = dict(st.fingerprint or {"job": who.job, "replicas": R, "nproc_per_replica": world})
         # What this process really uses, whatever the config said, and what no config holds.
-        fp.update(job=job, replicas=num_replicas, nproc_per_replica=world, chunk_bytes=chunk_bytes,
-                  num_chunks=num_chunks, lr_intervention=lr_intervention,
-                  secret_tag=secret_tag(secret, job), params=param_layout(self._named_params))
+        fp.update(job=who.job, replicas=R, nproc_per_replica=world, chunk_bytes=st.chunk_bytes,
+                  num_chunks=st.num_chunks, lr_intervention=st.lr_intervention,
+                  secret_tag=secret_tag(who.secret, who.job), params=param_layout(self._named_params))
         # Rule 14 (coord/stragglers.py): the job config's section, or detection off.
-        self.straggler_window = int(stragglers.window) if stragglers is not None else 10
-        self.spec = JobSpec(num_replicas, min_replicas, init_timeout_s, fp, batch_policy=batch_policy,
-                            straggler_threshold=float(stragglers.threshold) if stragglers is not None else 0.0,
-                            straggler_policy=str(stragglers.policy) if stragglers is not None else "wait",
+        sg = st.stragglers
+        self.straggler_window = int(sg.window) if sg is not None else 10
+        self.spec = JobSpec(R, st.min_replicas, st.init_timeout_s, fp, batch_policy=st.batch_policy,
+                            straggler_threshold=float(sg.threshold) if sg is not None else 0.0,
+                            straggler_policy=str(sg.policy) if sg is not None else "wait",
                             straggler_window=self.straggler_window)
         self._compute: collections.deque[float] = collections.deque(maxlen=max(1, self.straggler_window))
         """Seconds from the end of the previous step to ready-to-exchange of the last cleanly
@@ -234,19 +225,12 @@ class ReplicaManager:
         """When the previous `run_step` / `prepare` returned: where the next step's compute starts."""
         self._t_ready: Optional[float] = None
         self._clean = True
-        self._coord_kw: dict[str, Any] = dict(lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s,
-                                              poll_interval_s=poll_interval_s)
-        self.hang_timeout_s = hang_timeout_s
-        self.hang_report_after_s = hang_report_after_s
-        """An exchange waiting this long is reported, with its FTAR link counters (`_report_stall`)."""
-        self._ftar_kw: dict[str, Any] = dict(chunk_bytes=chunk_bytes, num_chunks=num_chunks, timeout_s=ftar_timeout_s,
-                             connect_timeout_s=ftar_connect_timeout_s, bind_host=bind_host,
-                             start_timeout_s=hang_timeout_s, transport=transport)
-        self.bind_host, self.advertise_host = bind_host, advertise_host
-        self.digest_every, self.checkpoint_every = max(0, digest_every), max(0, checkpoint_every)
-        self.checkpoint_root, self.run_dir = checkpoint_root, run_dir
-        self.sync_timeout_s = sync_timeout_s
-        self.num_programs = num_programs
+        self._ftar_kw: dict[str, Any] = dict(chunk_bytes=st.chunk_bytes, num_chunks=st.num_chunks,
+                                             timeout_s=st.ftar_timeout_s, connect_timeout_s=st.ftar_connect_timeout_s,
+                                             bind_host=st.bind_host, start_timeout_s=st.hang_timeout_s,
+                                             transport=st.transport)
+        self.digest_every, self.checkpoint_every = max(0, st.digest_every), max(0, st.checkpoint_every)
+        self.checkpoint_root, self.run_dir = st.checkpoint_root, run_dir
         self.step = 0
         """Committed steps of this replica (its state is at the end of step `step - 1`)."""
         self.gen = 0
@@ -313,25 +297,13 @@ class ReplicaManager:
     @classmethod
     def from_config(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, *, job: str, rid: int,
                     incarnation: int, num_replicas: int, secret: str, etcd: str, rank: int = 0, world: int = 1,
-                    pg: Any = None, scheduler: Any = None, run_dir: str = "", **overrides: Any) -> "ReplicaManager":
-        """A manager from the job's FTConfig (lightning_ft.config): its sections, not 25 knobs."""
-        from lightning_ft.config import checkpoint_dir, fingerprint
-
-        kw = dict(min_replicas=cfg.min_replicas, prefix=cfg.etcd.prefix, lease_ttl_s=cfg.etcd.lease_ttl_s,
-                  hang_timeout_s=cfg.etcd.hang_timeout_s, init_timeout_s=cfg.quorum.init_timeout_s,
-                  poll_interval_s=cfg.quorum.poll_interval_s, lr_intervention=cfg.lr_intervention,
-                  chunk_bytes=cfg.ftar.chunk_bytes, num_chunks=cfg.ftar.num_chunks, ftar_timeout_s=cfg.ftar.timeout_s,
-                  ftar_connect_timeout_s=cfg.ftar.connect_timeout_s, transport=cfg.ftar.transport,
-                  bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
-                  fingerprint=fingerprint(cfg), digest_every=cfg.consistency.every_n_steps,
-                  checkpoint_every=cfg.checkpoint.every_n_steps, checkpoint_root=checkpoint_dir(cfg),
-                  etcd_config=cfg.etcd, num_programs=cfg.ftar.num_programs,
-                  batch_policy=cfg.batch_policy, stragglers=cfg.stragglers,
-                  hang_report_after_s=cfg.hang.report_after_s)
-        kw.update(overrides)
-        return cls(model, optimizer, job=job, rid=rid, incarnation=incarnation, num_replicas=num_replicas,
-                   secret=secret, etcd=etcd, rank=rank, world=world, pg=pg, scheduler=scheduler, run_dir=run_dir,
-                   **kw)
+                    pg: Any = None, scheduler: Any = None, run_dir: str = "", run_id: str = "", standby: str = "",
+                    **overrides: Any) -> "ReplicaManager":
+        """A manager from the job's FTConfig (lightning_ft.config): its sections, then `overrides`
+        (Settings fields)."""
+        who = Identity(job, rid, incarnation, num_replicas, secret, etcd, run_id=run_id, standby=standby)
+        return cls(model, optimizer, who, Settings.from_config(cfg, **overrides), group=ReplicaGroup(rank, world, pg),
+                   scheduler=scheduler, run_dir=run_dir)
 
     def set_scaler(self, scaler: Any) -> None:
         """Scale the loss with this `torch.amp.GradScaler` (the caller's backward multiplies the
@@ -396,15 +368,16 @@ class ReplicaManager:
             # state now, in the slow init, not on the catch-up's critical path.
             materialize_optimizer_state(self.optimizer)
         if self.is_leader and self._store is None:
-            self._store = store_from_config(self._etcd_config, self._etcd)
-        host = self.group.leader_result(lambda: advertised(self.bind_host, self.advertise_host, self._etcd))
+            self._store = store_from_config(self.settings.etcd_config, self._etcd)
+        st = self.settings
+        host = self.group.leader_result(lambda: advertised(st.bind_host, st.advertise_host, self._etcd))
         if self.standby:
             self._await_promotion(host)
         from lightning_ft import ops
 
-        ops.set_num_programs(self.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
+        ops.set_num_programs(self.settings.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
         self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
-        self._server = StateServer(self.secret.encode(), bind_host=self.bind_host, name=f"r{self.rid}/rank{self.rank}")
+        self._server = StateServer(self.secret.encode(), bind_host=st.bind_host, name=f"r{self.rid}/rank{self.rank}")
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
         addrs = self.group.gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
@@ -428,7 +401,7 @@ class ReplicaManager:
         if self.is_leader:
             waiter = Waiter(self.store, self.prefix, self.job, secret_tag(self.secret, self.job),
                             self.spec.fingerprint, self.standby, host=host, world=self.world, run_id=self.run_id,
-                            ttl_s=float(self._coord_kw["lease_ttl_s"]))
+                            ttl_s=self.settings.lease_ttl_s)
         try:
             while True:
                 got = self.group.leader_result(
@@ -454,7 +427,9 @@ class ReplicaManager:
             self.run_id, self.root = run.run_id, keys.root(self.prefix, self.job, run.run_id)
             self.coord = Coordinator(self.store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
                                      run=self.run_id, on_failure=self._on_failure, on_event=self.event,
-                                     **self._coord_kw)
+                                     lease_ttl_s=self.settings.lease_ttl_s,
+                                     hang_timeout_s=self.settings.hang_timeout_s,
+                                     poll_interval_s=self.settings.poll_interval_s)
             # A new process holds an initial state or the resume's checkpoint: both belong to the
             # ledger's newest generation.
             self.gen = ledger.latest_gen(self.store, self.root)
@@ -528,7 +503,7 @@ class ReplicaManager:
                     self.cursor = max(self.cursor, ledger.read_cursor(self.store, self.root, self.rid, self.gen))
                     self._cursor_stale = False
                 state = self._report_state(digest)
-                q = self.coord.quorum(self.step, timeout_s=self.quorum_timeout_s, cursor=self.cursor,
+                q = self.coord.quorum(self.step, timeout_s=self.settings.quorum_timeout_s, cursor=self.cursor,
                                       ring_ok=self._ring_ok and not self.ftar.broken, **state)
                 if adopt_role(q, self.rid) == "catchup":
                     # Read after the decision: the contributors recorded the previous step
@@ -913,8 +888,8 @@ class ReplicaManager:
             vote = self._fetch(plan, deadline_s=self.ftar.timeout_s)
         nbytes = self.buckets.nbytes
         start = time.monotonic()
-        deadline = start + self.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
-        stall_at = start + self.hang_report_after_s if self._coord is not None else None
+        deadline = start + self.settings.hang_timeout_s + self.ftar.timeout_s * 4 + nbytes / 1e7
+        stall_at = start + self.settings.hang_report_after_s if self._coord is not None else None
         try:
             for work in works:  # bounded by the engine's own deadlines; this guards a stuck engine
                 if stall_at is not None and not work.wait_done(max(0.0, stall_at - time.monotonic())):
@@ -1050,7 +1025,7 @@ class ReplicaManager:
                 materialize_optimizer_state(self.optimizer)  # a fresh source has no optimizer state yet
                 self._publish_snapshot(q)
         else:
-            vote = self._fetch(plan, deadline_s=self.sync_timeout_s)
+            vote = self._fetch(plan, deadline_s=self.settings.sync_timeout_s)
         vote = self.group.vote(vote)
         if vote == LOST:
             raise ReplicaStateLost(f"replica {self.rid}: adopting replica {q.source}'s state failed midway; the "
