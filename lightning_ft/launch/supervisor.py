@@ -30,241 +30,46 @@ before they register (`SPARE_FAILURES` in a row: the program cannot be a spare).
 Every event is one JSON line in `{run_dir}/events.jsonl`; each process logs to
 `{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log` (a spare to `spare-{token}.rank{rank}.log`; once
 promoted, `r{rid}.i{inc}.rank{rank}.log` links to it, and the `restart` event names it).
+
+The supervisor is built in layers, each a class over the one below and calling only down (mypy
+checks it): supervisor_base.py (the replicas' records, the run, what etcd says: members,
+reports, halts, the job's step; the event log) -> processes.py (starting, signalling and
+reaping a replica's processes, shutdown) -> spares.py (warm spares) -> this module (the loop:
+watching, obeying launch/policy.py's decisions, failures, restarts, world restarts, halts).
 """
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import shlex
 import signal
-import subprocess
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Callable, Optional
 
 from lightning_ft.constants import ExitCode
-from lightning_ft.coord import keys
-from lightning_ft.coord.etcd_server import free_port
-from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.hang import culprit_rank, diagnose
-from lightning_ft.coord.store import EtcdStore, Store, StoreError
+from lightning_ft.coord.store import StoreError
 from lightning_ft.launch import policy
 from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, dump_stack, process_state
-from lightning_ft.launch.zygote import Proc, Zygote, ZygoteProc, default_preload, python_target
+from lightning_ft.launch.zygote import Proc, Zygote, default_preload, python_target
+
+from lightning_ft.launch.spares import Spares
+from lightning_ft.launch.records import ReplicaSpec, _Replica
+from lightning_ft.launch.supervisor_base import (HALT_GRACE_S, IDLE_WAKE_S, REAP_TIMEOUT_S, RESUME_LIVE_WAIT_S,
+                                                 SPARE_FAILURES, STALL_MAX_AGE_S, TERM_GRACE_S, _peek, _signal, _wait)
+
+__all__ = ["HALT_GRACE_S", "IDLE_WAKE_S", "REAP_TIMEOUT_S", "RESUME_LIVE_WAIT_S", "SPARE_FAILURES", "STALL_MAX_AGE_S",
+           "TERM_GRACE_S", "ReplicaSpec", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
-TERM_GRACE_S = 3.0
-"""shutdown() waits this long after SIGTERM before it SIGKILLs what is left."""
-REAP_TIMEOUT_S = 5.0
-"""Bound on waiting for a SIGKILLed process to be reaped."""
 
-SPARE_FAILURES = 3
-"""Spares that exit before they register, in a row, after which no more are started."""
-RESUME_LIVE_WAIT_S = 10.0
-"""How long `--resume` waits for a dead job's leases to lapse (a launcher's hold: 5 s)."""
-IDLE_WAKE_S = 1.0
-"""run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
-HALT_GRACE_S = 10.0
-"""After a halt, replicas still running this long (they learn it at their next round) are stopped."""
-STALL_MAX_AGE_S = 15.0
-"""A hang diagnosis uses the other replicas' stall reports (stall/{rid}) younger than this."""
-
-
-@dataclass
-class ReplicaSpec:
-    """A replica this supervisor owns: its id and its number of processes (W)."""
-
-    rid: int
-    nproc: int
-
-
-@dataclass
-class _Replica:
-    """Supervision state of one replica."""
-
-    spec: ReplicaSpec
-    incarnation: int = 0
-    state: str = "restarting"
-    """"running" | "restarting" | "done" | "failed" | "stopped" (after shutdown)."""
-    procs: list[Proc] = field(default_factory=list)
-    """Indexed by local rank; kept after exit so the return codes stay readable."""
-    logged_exits: set[int] = field(default_factory=set)
-    """Ranks whose clean exit is already in the event log."""
-    port: int = 0
-    """MASTER_PORT of the current incarnation."""
-    restarts: int = 0
-    last_event: str = ""
-    step: Optional[int] = None
-    """The last step its leader reported in `members/{rid}` (hang_check only)."""
-    compute_ms: float = -1.0
-    """Its last reported compute time per step (coord/stragglers.py; the status table)."""
-    kill_reason: str = ""
-    """Why kill_replica() signalled it; added to the eviction reason."""
-    member_seen: bool = False
-    """Its leader's member key existed for the current incarnation."""
-    started_at: float = 0.0
-    """Monotonic time of the current incarnation's start."""
-    missing_since: Optional[float] = None
-    """When the member key was first seen gone after member_seen."""
-    restart_at: float = 0.0
-    """Monotonic time of the next start (time-based restart)."""
-    restart_step: Optional[int] = None
-    """Restart once the job's step reaches this (downtime-based restart)."""
-    failed_at: float = 0.0
-    first_step: Optional[int] = None
-    """The step its leader first reported in this incarnation."""
-    progressed: bool = False
-    """This incarnation committed something (its reported step grew)."""
-    crash_code: Optional[int] = None
-    """Exit code of the last failure that came before any commit (crash-loop detection)."""
-    crash_streak: int = 0
-    diagnosis: Optional[threading.Thread] = None
-    """The hang diagnosis running since its member key vanished (`_diagnose_hang`)."""
-    host: str = ""
-    """Where its processes run: the command prefix they were started with (`wrap`), "" without one;
-    a promoted spare's replica runs where the spare ran."""
-    leaving_since: Optional[float] = None
-    """When it was first seen on its way out (left/{rid}/{inc} written, or a rank exited 0 while
-    others still run): past exit_timeout_s from then it is hung on exit."""
-
-    @property
-    def rid(self) -> int:
-        return self.spec.rid
-
-
-@dataclass
-class _Spare:
-    """A warm spare this supervisor started (coord/standby.py)."""
-
-    token: str
-    procs: list[Proc]
-    port: int
-    host: str = ""
-    """Where it runs: the command prefix it was started with (`wrap`), "" without one."""
-    registered: bool = False
-    """Its standby/ key was seen in etcd."""
-
-
-class Supervisor:
+class Supervisor(Spares):
     """Starts, watches and restarts the replicas `replica_ids` (default: all `replicas`) of one job."""
 
-    def __init__(self, cmd: list[str], *, replicas: int, nproc_per_replica: int, job: str, etcd: str, secret: str,
-                 run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 0.2,
-                 max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
-                 prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
-                 hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
-                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
-                 start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S,
-                 exit_timeout_s: float = 120.0, standby: int = 0, zygote: bool = False) -> None:
-        """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
-        while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
-
-        `restart`: "replica" (FT-HSDP: only the failed replica restarts and catches up) or "world"
-        (the baseline, like torchrun elastic: any failure stops every replica, and all restart
-        from the newest valid checkpoint under `checkpoint_root`, or from scratch).
-
-        `crash_loop`: a replica that exits with the same non-zero code this many times in a row
-        without committing a step is not restarted (its log tail is printed); if fewer than
-        `min_replicas` are left, the job stops.
-
-        The job's run (coord/runs.py) is opened by `start`: a launcher joins the run another
-        launcher of the job (same job id and secret) is running, or starts a new one. A new
-        run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors.
-
-        `zygote`: restarts fork from a process that imported torch (and Lightning) once
-        (launch/zygote.py) instead of starting Python afresh; only for `[python, script, ...]`
-        (or `-m module`) commands without a `wrap`. Anything it cannot do starts as before."""
-        self._zygote_wanted = zygote and not wrap and python_target(cmd) is not None
-        self._zygote: Optional[Zygote] = None
-        self._wrap = wrap
-        if standby < 0:
-            raise ValueError(f"standby={standby} must be >= 0")
-        if standby and restart != "replica":
-            raise ValueError("standby spares replace failed replicas; restart='world' restarts every replica")
-        self.standby = standby
-        """Warm spares to keep (`_top_up_spares`)."""
-        self._spares: dict[str, _Spare] = {}
-        self._spare_seq = 0
-        self._spare_failures = 0
-        self._spares_read = 0.0
-        self._spares_done = False
-        """A spare left because the job finished: none is started again."""
-        self.start_timeout_s = start_timeout_s
-        self.exit_timeout_s = exit_timeout_s
-        """A replica on its way out (it left the job, or some ranks exited 0) that still runs this
-        long after is hung on exit (stopped or deadlocked in teardown): killed and restarted (0: never)."""
-        self._resume_wait_s = resume_wait_s
-        """A leader not registered this long after its start is hung in initialization (0: never)."""
-        """A command prefix per replica, `{rid}` replaced (e.g. `ip netns exec ns{rid}`: fault harnesses
-        put each replica in its own network namespace; `LFT_REPLICA_WRAP` for `lightning-ft run`)."""
-        if restart not in ("replica", "world"):
-            raise ValueError(f"restart={restart!r} must be 'replica' or 'world'")
-        self.restart_mode = restart
-        self.checkpoint_root = checkpoint_root
-        ids = list(range(replicas)) if replica_ids is None else list(replica_ids)
-        bad = [r for r in ids if not 0 <= r < replicas]
-        if bad or len(set(ids)) != len(ids):
-            raise ValueError(f"replica_ids {ids} must be distinct and between 0 and replicas - 1 ({replicas - 1})")
-        if nproc_per_replica < 1:
-            raise ValueError(f"nproc_per_replica={nproc_per_replica} must be >= 1")
-        self.cmd = list(cmd)
-        self.replicas = replicas
-        self.job = job
-        self.etcd = etcd
-        self.run_dir = run_dir
-        self.restart_delay_s = restart_delay_s
-        self.max_restarts = max_restarts
-        self.hang_check = hang_check
-        self.hang_grace_s = hang_grace_s
-        self.crash_loop = crash_loop
-        self.min_replicas = min_replicas
-        self.halted = ""
-        """Why the job halted (from etcd), or ""."""
-        self.stopped = ""
-        """Why the supervisor stopped the job itself (too few replicas left), or ""."""
-        self._halted_at = 0.0
-        self._secret = secret
-        self._extra_env = dict(env or {})
-        self._prefix = prefix
-        self._seed_from = seed_from
-        self.run_id = ""
-        """The run this launcher belongs to (set by `start`)."""
-        self._root = keys.root(prefix, job)
-        self._hold: Optional[RunHold] = None
-        self.run_reason = ""
-        """What `start` decided about the run, in words."""
-        self._downtime = dict(downtime_steps or {})
-        self._schedule = _failure_schedule(self._extra_env.get("LFT_CONFIG"), replicas)
-        """The job's failure schedule: per-event downtimes (None without a job config)."""
-        self._replicas = {rid: _Replica(ReplicaSpec(rid, nproc_per_replica)) for rid in ids}
-        self._own_store = store is None
-        self._store = store if store is not None else EtcdStore(etcd)
-        self._lock = threading.RLock()
-        self._stragglers: list[Proc] = []
-        """SIGKILLed processes that were not reaped within REAP_TIMEOUT_S; shutdown() retries them."""
-        self._started = False
-        self._shut_down = False
-        self._signalled: Optional[int] = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        """run() sleeps until a child exits (pidfds), a member report changes (the watch), a signal
-        arrives, or its next deadline: nothing wakes it per training step."""
-        self._pidfds: dict[int, int] = {}
-        """pid -> pidfd of our children (readable once the process exited)."""
-        self._members: Optional[dict[int, dict[str, Any]]] = None
-        """members/ of the run as the watch last left it (None: no watch; read etcd instead)."""
-        self._members_lock = threading.Lock()
-        self._cancel_members: Optional[Callable[[], None]] = None
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-        self._events = open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8")
-        self._events_lock = threading.Lock()
-
-    # -- public API -------------------------------------------------------------------------------
+    # -- public API ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start every replica in incarnation 0."""
         with self._lock:
@@ -284,65 +89,6 @@ class Supervisor:
                                           log_path=os.path.join(self.run_dir, "logs", "zygote.log"))
                 except OSError as e:
                     log.warning("cannot start the zygote (restarts start Python afresh): %s", e)
-
-    @property
-    def _limits(self) -> policy.Limits:
-        """The settings launch/policy.py's rules read (attributes: tests and callers may change them)."""
-        return policy.Limits(start_timeout_s=self.start_timeout_s, hang_grace_s=self.hang_grace_s,
-                             exit_timeout_s=self.exit_timeout_s, crash_loop=self.crash_loop,
-                             max_restarts=self.max_restarts)
-
-    @property
-    def root(self) -> str:
-        """The keyspace of this launcher's run."""
-        return self._root
-
-    def _open_run(self) -> None:
-        """Join or start the job's run. `--resume` (`seed_from`) continues the run this run
-        directory last ran (RUN_DIR/run_id) when etcd still knows it, so the ledger spans the
-        restart: a new history generation at the checkpoint (replica/checkpoint.py restart_job).
-        Only a launcher that finds the run not running seeds it (several launchers of one job
-        may resume it)."""
-        from lightning_ft.coord.runs import is_live
-        from lightning_ft.secret import tag
-
-        self._hold = RunHold(self._store, ttl_s=5.0)
-        try:
-            want = self._previous_run_id() if self._seed_from else ""
-            if want:
-                # After a whole-job kill the dead job's keys (its launcher's hold, its members'
-                # leases) stay until their leases lapse: wait that long, so that the resume
-                # seeds the run instead of joining a run nobody runs (the soak found it: the
-                # new incarnations met the dead job's evictions).
-                root = keys.root(self._prefix, self.job, want)
-                deadline = time.monotonic() + self._resume_wait_s
-                while is_live(self._store, root) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-            run = open_run(self._store, self._prefix, self.job, tag(self._secret, self.job), self._hold, want=want)
-            self.run_id, self._root = run.run_id, keys.root(self._prefix, self.job, run.run_id)
-            if self._seed_from and (run.action == "start" or not is_live(self._store, self._root)):
-                from lightning_ft.replica.checkpoint import restart_job
-
-                rec = restart_job(self._store, self._root, self._seed_from)
-                print(f"lightning-ft: history generation {rec['gen']} starts at step {rec['to']}"
-                      + (f" (the job had reached step {rec['from']})" if "from" in rec else ""), flush=True)
-        except BaseException:
-            self._hold.close()
-            self._hold = None
-            raise
-        self._hold.hold(self._root)
-        self.run_reason = run.reason
-        if self.run_dir:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with open(os.path.join(self.run_dir, "run_id"), "w") as f:
-                f.write(self.run_id + "\n")
-
-    def _previous_run_id(self) -> str:
-        try:
-            with open(os.path.join(self.run_dir, "run_id")) as f:
-                return f.read().strip()
-        except OSError:
-            return ""
 
     def set_downtime(self, rid: int, steps: int) -> None:
         """From now on, after a failure keep replica `rid` down until the job advances `steps`
@@ -440,329 +186,7 @@ class Supervisor:
         except (BlockingIOError, OSError):
             pass
 
-    def _notify(self) -> None:
-        """Wake run() now (any thread, or a signal handler)."""
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
-
-    # -- the members/ watch -------------------------------------------------------------------------
-    def _watch_members(self) -> None:
-        """Keep members/ of the run in memory from a watch, so that hang checks read no etcd: a
-        change (a report, a lease that expired) wakes run() at once. Without the watch (etcd
-        refused it) the checks read etcd, as often as run() polls."""
-        try:
-            kvs, rev = self._store.get_prefix(keys.members(self._root))
-            with self._members_lock:
-                self._members = {}
-                for kv in kvs:
-                    _put_report(self._members, kv.key, kv.value)
-            self._cancel_members = self._store.watch_prefix(keys.members(self._root), self._on_member_event,
-                                                            start_revision=rev + 1)
-        except StoreError as e:
-            log.warning("cannot watch the member reports (%s); reading them at every poll instead", e)
-            self._members = None
-
-    def _on_member_event(self, ev: Any) -> None:
-        with self._members_lock:
-            if self._members is None:
-                return
-            if ev.kind == "delete":
-                try:
-                    self._members.pop(int(ev.key.rsplit("/", 1)[1]), None)
-                except ValueError:
-                    pass
-            else:
-                _put_report(self._members, ev.key, ev.value)
-        self._notify()
-
-    def kill_replica(self, rid: int, sig: int = signal.SIGKILL, reason: str = "") -> None:
-        """Send `sig` to every live process of replica `rid`. The next poll() handles the exits
-        as a failure (evict, restart); `reason` is added to the eviction reason."""
-        with self._lock:
-            rep = self._replica(rid)
-            rep.kill_reason = reason
-            for p in rep.procs:
-                _signal(p, sig)
-
-    def status(self) -> list[dict[str, Any]]:
-        """Per replica: rid, incarnation, state ("running", "restarting", "done", "failed" or, after
-        shutdown, "stopped"), pids (of live processes), restarts, step (last reported), last_event,
-        compute_ms (its reported compute per step) and compute_ratio (over the median of the other
-        running replicas'; a straggler's is >= stragglers.threshold)."""
-        from lightning_ft.coord.stragglers import ratios
-
-        with self._lock:
-            slow = ratios({rep.rid: rep.compute_ms for rep in self._replicas.values() if rep.state == "running"})
-            return [{"rid": rep.rid, "incarnation": rep.incarnation, "state": rep.state,
-                     "pids": [p.pid for p in rep.procs if _peek(p) is None], "restarts": rep.restarts,
-                     "step": rep.step, "last_event": rep.last_event,
-                     "compute_ms": rep.compute_ms if rep.compute_ms > 0 else None, "compute_ratio": slow.get(rep.rid)}
-                    for rep in self._replicas.values()]
-
-    def shutdown(self) -> None:
-        """SIGTERM every child, SIGKILL what is left after TERM_GRACE_S, evict the replicas that
-        were running. Idempotent; runs at interpreter exit too."""
-        with self._lock:
-            if self._shut_down:
-                return
-            self._shut_down = True
-            atexit.unregister(self.shutdown)
-            running = [rep for rep in self._replicas.values() if rep.state == "running"]
-            live = [p for rep in running for p in rep.procs if p.returncode is None] + self._stragglers
-            live += [p for sp in self._spares.values() for p in sp.procs if p.returncode is None]
-            self._spares.clear()
-            for p in live:
-                _signal(p, signal.SIGTERM)
-            deadline = time.monotonic() + TERM_GRACE_S
-            while time.monotonic() < deadline and any(_peek(p) is None for p in live):
-                time.sleep(0.02)
-            for p in live:
-                _signal(p, signal.SIGKILL)  # the exited ones too: this reaches what is left of their groups
-                _wait(p)
-            reachable = True
-            for rep in running:
-                reachable = reachable and self._evict(rep, "supervisor shut down")  # one timeout at most
-                self._event(rep, "shutdown", pids=[p.pid for p in rep.procs])
-                rep.state = "stopped"
-            for rep in self._replicas.values():
-                if rep.state == "restarting":
-                    rep.state = "stopped"
-            self._events.close()
-            if self._cancel_members is not None:
-                self._cancel_members()
-                self._cancel_members = None
-            for fd in self._pidfds.values():
-                os.close(fd)
-            self._pidfds.clear()
-            if self._zygote is not None:
-                self._zygote.close()
-            # the wake pipe stays open: a late signal or watch callback may still write to it,
-            # and a closed descriptor's number may by then belong to some other file
-            if self._hold is not None:
-                self._hold.close()
-            if self._own_store:
-                self._store.close()
-
-    # -- launching --------------------------------------------------------------------------------
-    def _launch(self, rep: _Replica) -> None:
-        port = self._free_port()
-        for p in rep.procs:  # the previous incarnation's: reaped
-            fd = self._pidfds.pop(p.pid, None)
-            if fd is not None:
-                os.close(fd)
-        rep.procs = []
-        rep.host = self._wrap.format(rid=rep.rid) if self._wrap else ""
-        zygote = self._zygote if rep.incarnation > 0 and not rep.host else None
-        for rank in range(rep.spec.nproc):
-            path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
-            try:
-                with open(path, "ab") as out:
-                    env = self._env(rep, rank, port)
-                    forked = zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno()) if zygote else None
-                    cmd = shlex.split(rep.host) + self.cmd if rep.host else self.cmd
-                    rep.procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                                stdin=subprocess.DEVNULL, start_new_session=True))
-            except OSError as e:
-                for p in rep.procs:
-                    _signal(p, signal.SIGKILL)
-                    _wait(p)
-                raise RuntimeError(f"cannot start replica {rep.rid} rank {rank} ({self.cmd[0]!r}): {e}. "
-                                   "Check the command and that the run directory is writable.") from e
-        self._running(rep, port)
-
-    def _running(self, rep: _Replica, port: int, **more: Any) -> None:
-        """Bookkeeping of a replica whose processes (`rep.procs`) were just started or promoted."""
-        for p in rep.procs:
-            if isinstance(p, ZygoteProc):  # not our child: readable once the zygote reported its exit
-                self._pidfds[p.pid] = p.exit_fd()
-                continue
-            try:
-                self._pidfds[p.pid] = os.pidfd_open(p.pid)
-            except (AttributeError, OSError):  # no pidfds here: run() polls
-                pass
-        details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port, **more}
-        forked_by = {p.zygote_pid for p in rep.procs if isinstance(p, ZygoteProc)}
-        if forked_by:  # the processes' parent, rather than this launcher
-            details["zygote_pid"] = min(forked_by)
-        if rep.restart_step is not None:
-            details["wait_step"] = rep.restart_step
-        rep.state = "running"
-        rep.port = port
-        rep.logged_exits = set()
-        rep.kill_reason = ""
-        rep.member_seen = False
-        rep.started_at = time.monotonic()
-        rep.missing_since = None
-        rep.leaving_since = None
-        rep.restart_step = None
-        rep.first_step, rep.progressed = None, False
-        if rep.incarnation == 0:
-            self._event(rep, "start", **details)
-        else:
-            self._event(rep, "restart", restarts=rep.restarts,
-                        down_s=round(time.monotonic() - rep.failed_at, 3), **details)
-
-    def _env(self, rep: _Replica, rank: int, port: int, spare: str = "") -> dict[str, str]:
-        """A replica's process environment, or (`spare`) a warm spare's: its token instead of the
-        replica id and incarnation, which it learns when promoted."""
-        nproc = str(rep.spec.nproc)
-        extra = dict(self._extra_env)
-        if spare:  # a spare is always a later process: it catches up, it never resumes
-            env = self._env(rep, rank, port)
-            for name in ("LFT_REPLICA_ID", "LFT_INCARNATION", "LFT_RESUME"):
-                env.pop(name, None)
-            return {**env, "LFT_STANDBY": spare}
-        if self.restart_mode == "replica" and rep.restarts > 0:
-            # The resume checkpoint is for the job's first processes: a replica restarted later
-            # catches up from the live ones (or a rewind loads a published checkpoint), and the
-            # resume checkpoint may have been pruned meanwhile (the soak found it).
-            extra.pop("LFT_RESUME", None)
-        return {**os.environ, **extra,
-                "LFT_JOB": self.job, "LFT_REPLICA_ID": str(rep.rid), "LFT_NUM_REPLICAS": str(self.replicas),
-                "LFT_ETCD": self.etcd, "LFT_SECRET": self._secret, "LFT_INCARNATION": str(rep.incarnation),
-                "LFT_RUN_ID": self.run_id,
-                "LFT_RUN_DIR": self.run_dir, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc,
-                "LFT_SPAWN_T": repr(time.time())}  # the restart breakdown's zero (replica/startup.py)
-
-    # -- warm spares (coord/standby.py) -------------------------------------------------------------
-    def _top_up_spares(self) -> None:
-        """Start spares until `standby` are alive (none once the job is over or spares keep dying)."""
-        if (not self.standby or self._shut_down or self.halted or self._spares_done
-                or self._spare_failures >= SPARE_FAILURES):
-            return
-        if all(rep.state in ("done", "failed", "stopped") for rep in self._replicas.values()):
-            return
-        while len(self._spares) < self.standby:
-            self._spare_seq += 1
-            token = f"{self.run_id or 'run'}-{os.getpid()}-s{self._spare_seq}"
-            ids = sorted(self._replicas)
-            template = self._replicas[ids[self._spare_seq % len(ids)]]  # placed beside replicas in turn
-            host = self._wrap.format(rid=template.rid) if self._wrap else ""
-            cmd = shlex.split(host) + self.cmd if host else self.cmd
-            port = self._free_port()
-            procs: list[Proc] = []
-            try:
-                for rank in range(template.spec.nproc):
-                    path = os.path.join(self.run_dir, "logs", f"spare-{token}.rank{rank}.log")
-                    with open(path, "ab") as out:
-                        procs.append(subprocess.Popen(cmd, env=self._env(template, rank, port, spare=token),
-                                                      stdout=out, stderr=subprocess.STDOUT,
-                                                      stdin=subprocess.DEVNULL, start_new_session=True))
-            except OSError as e:
-                for p in procs:
-                    _signal(p, signal.SIGKILL)
-                    _wait(p)
-                log.warning("cannot start a warm spare (%s); restarts will be cold", e)
-                self._spare_failures = SPARE_FAILURES
-                return
-            self._spares[token] = _Spare(token, procs, port, host)
-            self._event_line({"event": "spare_start", "token": token, "pids": [p.pid for p in procs],
-                              **({"host": host} if host else {})})
-
-    def _reap_spares(self) -> None:
-        """Spares that exited while waiting: cleaned up and replaced (a finished job's leave)."""
-        if any(not sp.registered for sp in self._spares.values()) and time.monotonic() - self._spares_read > 1.0:
-            from lightning_ft.coord import standby
-
-            self._spares_read = time.monotonic()
-            try:
-                live = {sp.token for sp in standby.spares(self._store, self._root)}
-            except StoreError:
-                live = set()
-            for sp in self._spares.values():
-                sp.registered = sp.registered or sp.token in live
-        for token, sp in list(self._spares.items()):
-            codes = [_peek(p) for p in sp.procs]
-            if all(c is None for c in codes):
-                continue
-            for p in sp.procs:
-                _signal(p, signal.SIGKILL)
-                _wait(p)
-            del self._spares[token]
-            self._event_line({"event": "spare_exit", "token": token, "codes": codes, "registered": sp.registered})
-            if all(c == 0 for c in codes):  # a spare leaves cleanly only when the job finished
-                self._spares_done = True
-            elif any(c not in (None, 0) for c in codes):
-                self._spare_failures = 0 if sp.registered else self._spare_failures + 1
-                if self._spare_failures >= SPARE_FAILURES:
-                    log.warning("%d warm spares in a row exited before they registered (see %s); no more spares: "
-                                "restarts will be cold", SPARE_FAILURES,
-                                os.path.join(self.run_dir, "logs", f"spare-{token}.rank0.log"))
-        self._top_up_spares()
-
-    def _stop_spares(self, why: str) -> None:
-        for token, sp in list(self._spares.items()):
-            for p in sp.procs:
-                _signal(p, signal.SIGKILL)
-                _wait(p)
-            self._event_line({"event": "spare_stop", "token": token, "reason": why})
-        self._spares.clear()
-
-    def _promote_spare(self, rep: _Replica) -> bool:
-        """Replica `rep`'s next incarnation from a registered spare (standby.assign/promote)."""
-        from lightning_ft.coord import standby
-
-        if not self._spares:
-            return False
-        try:
-            live = {sp.token: sp for sp in standby.spares(self._store, self._root)}
-        except StoreError as e:
-            log.warning("cannot read the warm spares (%s); restarting replica %d cold", e, rep.rid)
-            return False
-        # where a spare runs is where we started it (its wrap), beside the replica it may replace
-        ours = [standby.Spare(t, sp.host, live[t].world, live[t].since) for t, sp in self._spares.items()
-                if t in live and all(_peek(p) is None for p in sp.procs)]
-        for sp in self._spares.values():
-            sp.registered = sp.registered or sp.token in live
-        vacancy = standby.Vacancy(rep.rid, rep.incarnation + 1, rep.host)
-        pick = standby.assign([vacancy], ours, rep.spec.nproc).get(rep.rid)
-        if pick is None:
-            return False
-        try:
-            if not standby.promote(self._store, self._root, pick, rep.rid, rep.incarnation + 1):
-                return False
-        except StoreError as e:
-            log.warning("cannot promote spare %s (%s); restarting replica %d cold", pick, e, rep.rid)
-            return False
-        sp = self._spares.pop(pick)
-        for p in rep.procs:  # the previous incarnation's: reaped
-            fd = self._pidfds.pop(p.pid, None)
-            if fd is not None:
-                os.close(fd)
-        rep.incarnation += 1
-        rep.restarts += 1
-        rep.procs, rep.host = sp.procs, sp.host
-        for rank in range(len(sp.procs)):  # the replica's log under its usual name (report, crash loops)
-            link = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
-            try:
-                os.symlink(f"spare-{pick}.rank{rank}.log", link)
-            except OSError as e:
-                log.warning("cannot link %s to spare %s's log: %s", link, pick, e)
-        self._running(rep, sp.port, standby=pick, logs=f"spare-{pick}.rank*.log", **({"host": sp.host} if sp.host
-                                                                                      else {}))
-        self._top_up_spares()
-        return True
-
-    def _event_line(self, row: dict[str, Any]) -> None:
-        """An event of no replica (the spares')."""
-        with self._events_lock:
-            if not self._events.closed:
-                self._events.write(json.dumps({"t": time.time(), **row}) + "\n")
-                self._events.flush()
-
-    def _free_port(self) -> int:
-        """A free loopback port not already handed to one of our running replicas."""
-        used = {rep.port for rep in self._replicas.values() if rep.state == "running"}
-        used |= {sp.port for sp in self._spares.values()}
-        while True:
-            port = free_port()
-            if port not in used:
-                return port
-
-    # -- failures ---------------------------------------------------------------------------------
+    # -- the loop --------------------------------------------------------------------------------
     def _watch(self) -> None:
         """This pass's decision for every running replica (launch/policy.py `next_action`),
         carried out: exits read without reaping (so the process groups of a failed replica can
@@ -867,47 +291,6 @@ class Supervisor:
         except Exception as e:  # a diagnosis must never stop the supervision
             log.warning("replica %d: hang diagnosis failed: %s: %s", rep.rid, type(e).__name__, e)
 
-    def _member_back(self, rid: int, incarnation: int) -> bool:
-        """Whether members/{rid} exists again for `incarnation` (etcd's own view, from any thread)."""
-        try:
-            kv = self._store.get(keys.members(self._root, rid))
-            return kv is not None and json.loads(kv.value).get("incarnation") == incarnation
-        except Exception:
-            return False
-
-    def _stall_reports(self) -> dict[int, dict[str, Any]]:
-        """stall/{rid} of the run: each with `age_s` (seconds since its leader wrote it)."""
-        out: dict[int, dict[str, Any]] = {}
-        now = time.time()
-        try:
-            kvs, _ = self._store.get_prefix(keys.stall(self._root))
-        except Exception as e:
-            log.warning("could not read the stall reports: %s", e)
-            return out
-        for kv in kvs:
-            try:
-                st = json.loads(kv.value)
-                out[int(kv.key.rsplit("/", 1)[1])] = {**st, "age_s": now - float(st.get("t", 0.0))}
-            except (ValueError, TypeError):
-                continue
-        return out
-
-    def _left_cleanly(self, rep: _Replica) -> bool:
-        """Whether the replica's leader wrote `left/{rid}/{inc}` (Coordinator.close) before
-        revoking its lease: a process tearing down is not a hang."""
-        try:
-            return self._store.get(keys.left(self._root, rep.rid, rep.incarnation)) is not None
-        except Exception:
-            return False
-
-    # -- halts, crash loops, the end of the job -----------------------------------------------------
-    def _read_halt(self) -> str:
-        try:
-            kv = self._store.get(keys.halt(self._root))
-        except StoreError:
-            return ""
-        return json.loads(kv.value).get("reason", "halted") if kv is not None else ""
-
     def _on_halt(self, rep: _Replica) -> None:
         """The job halted: this replica is done for good, and nobody is restarted."""
         if not self.halted:
@@ -923,12 +306,6 @@ class Supervisor:
             if other.state == "restarting":
                 other.state = "failed"
 
-    def _job_finished(self) -> bool:
-        try:
-            return self._store.get(keys.finished(self._root)) is not None
-        except StoreError:
-            return False
-
     def _report_crash_loop(self, rep: _Replica, code: Optional[int], rank: int) -> None:
         """A crash loop ended the replica (policy.after_failure): say so, with its log's last lines."""
         path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
@@ -941,6 +318,7 @@ class Supervisor:
         print(f"lightning-ft: {msg}", flush=True)
         self._event(rep, "crash_loop", code=code, streak=rep.crash_streak, log=path, tail=tail)
 
+    # -- failures and restarts -------------------------------------------------------------------
     def _fail(self, rep: _Replica, reason: str, code: Optional[int] = None, rank: int = 0) -> None:
         """Kill the rest of the replica, evict it at once, then schedule its restart or give up."""
         killed = [rank for rank, p in enumerate(rep.procs) if _peek(p) is None]
@@ -1027,17 +405,6 @@ class Supervisor:
                 self._event(rep, "world_restart", checkpoint=found[1] if found else None,
                             step=found[0] if found else 0)
 
-    def _evict(self, rep: _Replica, reason: str) -> bool:
-        """Write evict/{rid}/{inc}; False (and a warning) when etcd refused or was unreachable."""
-        key = keys.evict(self._root, rep.rid, rep.incarnation)
-        try:
-            self._store.put(key, reason.encode())
-            return True
-        except StoreError as e:
-            log.warning("could not write %s (%s); the others will drop replica %d when its lease expires",
-                        key, e, rep.rid)
-            return False
-
     def _restart_due(self) -> None:
         now = time.monotonic()
         if self.halted:
@@ -1091,143 +458,3 @@ class Supervisor:
             return False
         others = {rid: r for rid, r in reports.items() if rid != rep.rid}
         return not others or (rep.restart_step is not None and self._job_step(reports) >= rep.restart_step)
-
-    def _committed_step(self, rep: _Replica) -> Optional[int]:
-        """The steps a replica that exited cleanly committed: its `final.json` (strategy/runlog.py)
-        when this incarnation wrote it, else the last step it reported. Member reports are written
-        in full rounds only (steady rounds touch no etcd), so they lag by up to
-        `consistency.every_n_steps`: a job of 400 steps ended with "step 390" on every replica."""
-        path = os.path.join(self.run_dir, f"replica_{rep.rid}", "final.json")
-        started = time.time() - (time.monotonic() - rep.started_at)
-        try:
-            if os.stat(path).st_mtime < started - 1.0:
-                return rep.step  # an earlier run's, in a reused run directory
-            with open(path) as f:
-                final = json.load(f)
-        except (OSError, ValueError):
-            return rep.step
-        if not isinstance(final, dict) or final.get("incarnation") != rep.incarnation:
-            return rep.step
-        step = final.get("step")
-        if not isinstance(step, int):
-            return rep.step
-        return step
-
-    # -- etcd reads -------------------------------------------------------------------------------
-    def _member_reports(self) -> Optional[dict[int, dict[str, Any]]]:
-        """Live member reports by replica id (the watched view; etcd without one), or None when
-        etcd could not be read."""
-        with self._members_lock:
-            if self._members is not None:
-                return dict(self._members)
-        try:
-            kvs, _ = self._store.get_prefix(keys.members(self._root))
-        except StoreError as e:
-            log.warning("cannot read member reports: %s", e)
-            return None
-        reports: dict[int, dict[str, Any]] = {}
-        for kv in kvs:
-            _put_report(reports, kv.key, kv.value)
-        return reports
-
-    def _job_step(self, reports: Optional[dict[int, dict[str, Any]]] = None) -> int:
-        """The job's step: max of the newest quorum's max_step and the members' reported steps."""
-        if reports is None:
-            reports = self._member_reports() or {}
-        steps = [int(r.get("step", 0)) for r in reports.values()]
-        try:
-            kvs, _ = self._store.get_prefix(keys.quorum(self._root))
-            if kvs:
-                steps.append(int(json.loads(kvs[-1].value).get("max_step", 0)))
-        except (StoreError, ValueError) as e:
-            log.warning("cannot read the newest quorum: %s", e)
-        return max(steps, default=0)
-
-    # -- helpers ----------------------------------------------------------------------------------
-    def _replica(self, rid: int) -> _Replica:
-        if rid not in self._replicas:
-            raise KeyError(f"replica {rid} is not supervised here (this supervisor owns {sorted(self._replicas)})")
-        return self._replicas[rid]
-
-    def _event(self, rep: _Replica, event: str, **details: Any) -> None:
-        rec = {"t": time.time(), "event": event, "replica": rep.rid, "incarnation": rep.incarnation, **details}
-        rep.last_event = event + (f": {details['reason']}" if "reason" in details else "")
-        with self._events_lock:  # the hang diagnosis writes from its own thread
-            self._events.write(json.dumps(rec) + "\n")
-            self._events.flush()
-        log.info("replica %d incarnation %d: %s %s", rep.rid, rep.incarnation, event, details)
-
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        """SIGINT/SIGTERM make run() shut down; returns a function restoring the old handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def on_signal(signum: int, frame: Any) -> None:
-            self._signalled = signum
-            self._notify()
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def restore() -> None:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-
-        return restore
-
-
-def _signal(p: Proc, sig: int) -> None:
-    """Signal the process group of `p` (its own: it was started in a new session), or `p` alone
-    if it left that group. Only while `p` is unreaped, so its PID cannot belong to someone else."""
-    if p.returncode is not None:
-        return
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        try:
-            os.kill(p.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _failure_schedule(config_path: Optional[str], replicas: int) -> Any:
-    """The FailureSchedule of the job config at `config_path`, or None (no config, no events)."""
-    if not config_path or not os.path.exists(config_path):
-        return None
-    from lightning_ft.config import load_config
-    from lightning_ft.launch.failure import FailureSchedule
-
-    cfg = load_config(config_path)
-    if not cfg.failure.events:
-        return None
-    return FailureSchedule.from_config(cfg.failure, replicas)
-
-
-def _put_report(reports: dict[int, dict[str, Any]], key: str, value: bytes) -> None:
-    """reports[replica id of members/ `key`] = its parsed report; a malformed one is skipped."""
-    try:
-        reports[int(key.rsplit("/", 1)[1])] = json.loads(value)
-    except ValueError:
-        log.warning("ignoring malformed member report %s", key)
-
-
-def _peek(p: Proc) -> Optional[int]:
-    """The exit code of `p` (-N for signal N), or None while it runs, without reaping it."""
-    if p.returncode is not None:
-        return p.returncode
-    try:
-        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped elsewhere (Popen.wait), or the zygote's child: let p report it
-        return p.poll()
-    if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _wait(p: Proc) -> bool:
-    """Reap `p` within REAP_TIMEOUT_S; False if it is still there."""
-    try:
-        p.wait(REAP_TIMEOUT_S)
-        return True
-    except subprocess.TimeoutExpired:
-        log.warning("pid %d did not exit within %.0fs of SIGKILL", p.pid, REAP_TIMEOUT_S)
-        return False
