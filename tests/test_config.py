@@ -11,7 +11,7 @@ import pytest
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_ft import config as config_module
+from lightning_ft import config_schema as config_module
 from lightning_ft.config import (
     ConfigError,
     FTConfig,
