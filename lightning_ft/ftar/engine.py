@@ -35,7 +35,8 @@ from typing import Optional, Sequence, cast
 import torch
 
 from lightning_ft import ops
-from .ring import chunks, neighbours, partitions, schedule, segments
+from .paths import Device, Direct, Path, Staged
+from .ring import RingStep, chunks, neighbours, partitions, schedule, segments
 from .transport.base import (DTYPE_CODES, KIND_DATA, ChunkHeader, FatalError, FTARError, Identity, LinkContext,
                              RecoverableError, job_hash)
 from .transport.base import RxLink, TxLink
@@ -337,97 +338,43 @@ class FTAR:
         return c[2], c[3]
 
     def _ring_cpu(self, flat: torch.Tensor, ring: Ring, plan, tx: TxLink, rx: RxLink, divisor: Optional[float]) -> None:
-        es = flat.element_size()
-        staged = self.staged or not tx.direct
-        parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
-        first = self._first_staged if staged else self._first_direct
-        run = self._partition_staged if staged else self._partition_direct
-        first(flat, ring, plan, parts[0], 0, tx)
-        for p, segs in enumerate(parts):
-            # The next partition's first sends go out before this one's last step, whose
-            # receives forward nothing: the link would idle there (the partition bubble).
-            # Every rank does the same, so each stream keeps the order its reader expects.
-            nxt = None if p + 1 == len(parts) else (lambda p=p: first(flat, ring, plan, parts[p + 1], p + 1, tx))
-            run(flat, ring, plan, segs, p, divisor, tx, rx, nxt)
-        if staged:
-            tx.flush(self.timeout_s)
-        else:
+        path: Path = Staged(tx, rx, divisor, self.timeout_s) if self.staged or not tx.direct else \
+            Direct(tx, rx, divisor, self.timeout_s)
+        self._run_ring(flat, ring, plan, path)
+        if isinstance(path, Direct):
+            self._ticket = path.ticket or self._ticket
             tx.wait_sent(self._ticket, self.timeout_s)
+        else:
+            tx.flush(self.timeout_s)
+
+    def _run_ring(self, flat: torch.Tensor, ring: Ring, plan: list[RingStep], path: Path) -> None:
+        """The ring all-reduce of `flat`, written once for every data path (ftar/paths.py): each
+        partition's reduce-scatter and all-gather steps, chunk by chunk."""
+        es = flat.element_size()
+        parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
+
+        def first(p: int) -> None:
+            for j, c in enumerate(chunks(parts[p][plan[0].send_seg], es, self.S)):
+                path.first(j, flat[c.start:c.end], self._header(ring, flat, p, 0, j, c.numel * es), self._timeout(p, 0))
+
+        first(0)
+        for p, segs in enumerate(parts):
+            for s, step in enumerate(plan):
+                forward = s + 1 < len(plan)
+                if not forward and p + 1 < len(parts):
+                    # The next partition's first sends go out before this one's last step, whose
+                    # receives forward nothing: the link would idle there (the partition bubble).
+                    # Every rank does the same, so each stream keeps the order its reader expects.
+                    first(p + 1)
+                timeout = self._timeout(p, s)
+                for j, c in enumerate(chunks(segs[step.recv_seg], es, self.S)):
+                    nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
+                    path.chunk(step, j, flat[c.start:c.end], self._header(ring, flat, p, s, j, c.numel * es), nxt,
+                               timeout)
 
     def _timeout(self, p: int, s: int) -> float:
         """The first step of an all-reduce may wait for peers still computing (start timeout)."""
         return self.start_timeout_s if p == 0 and s == 0 else self.timeout_s
-
-    def _first_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink) -> None:
-        es = flat.element_size()
-        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            self._ticket = tx.send(self._header(ring, flat, p, 0, j, c.numel * es), flat[c.start:c.end],
-                                   self._timeout(p, 0))
-
-    def _partition_direct(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
-                          tx: TxLink, rx: RxLink, start_next) -> None:
-        """Send from and receive into the user's tensor (tcp): reduce-scatter partial sums
-        are kept in place in the user's buffer (all-gather overwrites them), and all-gather
-        chunks land directly where they belong and are forwarded from there."""
-        es = flat.element_size()
-        for s, st in enumerate(plan):
-            forward = s + 1 < len(plan)
-            if not forward and start_next is not None:
-                start_next()
-            timeout = self._timeout(p, s)
-            for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
-                user = flat[c.start:c.end]
-                want = self._header(ring, flat, p, s, j, c.numel * es)
-                if st.phase == "rs":
-                    recv = rx.recv(want, timeout).view(flat.dtype)[:c.numel]
-                    ops.reduce_(user, recv, user)
-                    rx.release(want)
-                    if st.last_rs and divisor is not None:
-                        ops.scale_(user, divisor)
-                else:
-                    rx.recv_into(want, user, timeout)
-                if forward:
-                    self._ticket = tx.send(self._header(ring, flat, p, s + 1, j, c.numel * es), user, self.timeout_s)
-
-    def _first_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink) -> None:
-        es, dt = flat.element_size(), flat.dtype
-        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            hdr = self._header(ring, flat, p, 0, j, c.numel * es)
-            ops.copy_(tx.reserve(hdr, self._timeout(p, 0)).view(dt)[:c.numel], flat[c.start:c.end])
-            tx.post(hdr, self.timeout_s)
-
-    def _partition_staged(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
-                          tx: TxLink, rx: RxLink, start_next) -> None:
-        """Every chunk goes through the link's staging memory (shm: the neighbour's slot;
-        rdma: the registered sendbuf): `copy` packs into it, `reduce` writes the next hop's
-        staging and, on the last reduce-scatter step, also the user's buffer (fused)."""
-        es, dt = flat.element_size(), flat.dtype
-        for s, st in enumerate(plan):
-            forward = s + 1 < len(plan)
-            if not forward and start_next is not None:
-                start_next()
-            timeout = self._timeout(p, s)
-            for j, c in enumerate(chunks(segs[st.recv_seg], es, self.S)):
-                user = flat[c.start:c.end]
-                want = self._header(ring, flat, p, s, j, c.numel * es)
-                recv = rx.recv(want, timeout).view(dt)[:c.numel]
-                nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
-                out = tx.reserve(nxt, timeout).view(dt)[:c.numel] if nxt is not None else None
-                if st.phase == "rs":  # always forwards (all-gather follows)
-                    assert out is not None
-                    if st.last_rs and divisor is not None:
-                        ops.reduce_(out, recv, user)
-                        ops.scale_(out, divisor)
-                        ops.copy_(user, out)
-                    else:
-                        ops.reduce_(out, recv, user, out2=user if st.last_rs else None)
-                else:
-                    ops.copy_(user, recv)
-                    if out is not None:  # forward
-                        ops.copy_(out, recv)
-                rx.release(want)
-                if nxt is not None:  # forward
-                    tx.post(nxt, self.timeout_s)
 
     # -- the device path ----------------------------------------------------------------------------
     def staging(self, device: torch.device | str) -> DeviceStaging:
@@ -485,59 +432,10 @@ class FTAR:
 
     def _ring_device(self, flat: torch.Tensor, ring: Ring, tx: TxLink, rx: RxLink, divisor: Optional[float],
                      ready: Sequence, st: DeviceStaging) -> None:
-        es = flat.element_size()
-        plan = schedule(ring.n, ring.index)
-        staged = self.staged or not tx.direct
-        parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
+        path = Device(tx, rx, divisor, self.timeout_s, st, self.staged or not tx.direct)
         with st.active(tx, ready):
-            self._first_device(flat, ring, plan, parts[0], 0, tx, st, staged)
-            for p, segs in enumerate(parts):
-                # The next partition's first sends go out before this one's last step (as on the CPU).
-                nxt = None if p + 1 == len(parts) else (
-                    lambda p=p: self._first_device(flat, ring, plan, parts[p + 1], p + 1, tx, st, staged))
-                self._partition_device(flat, ring, plan, segs, p, divisor, tx, rx, nxt, st, staged)
+            self._run_ring(flat, ring, schedule(ring.n, ring.index), path)
             tx.flush(self.timeout_s)
-
-    def _first_device(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, tx: TxLink, st: DeviceStaging,
-                      staged: bool) -> None:
-        es, dt = flat.element_size(), flat.dtype
-        for j, c in enumerate(chunks(segs[plan[0].send_seg], es, self.S)):
-            hdr = self._header(ring, flat, p, 0, j, c.numel * es)
-            st.kernels.copy_(st.tx_slot(j, dt, c.numel), flat[c.start:c.end])  # pack
-            st.send_device(tx, hdr, staged, self._timeout(p, 0))
-
-    def _partition_device(self, flat: torch.Tensor, ring: Ring, plan, segs, p: int, divisor: Optional[float],
-                          tx: TxLink, rx: RxLink, start_next, st: DeviceStaging, staged: bool) -> None:
-        """As `_partition_staged`, with the staging on the device: reduce-scatter chunks are
-        reduced into dev_tx (fused into the user's buffer on the last step) and sent D2H;
-        all-gather chunks are unpacked into the user's buffer by the copy kernel and
-        forwarded from host memory (their bytes are there already)."""
-        es, dt, k = flat.element_size(), flat.dtype, st.kernels
-        for s, step in enumerate(plan):
-            forward = s + 1 < len(plan)
-            if not forward and start_next is not None:
-                start_next()
-            timeout = self._timeout(p, s)
-            for j, c in enumerate(chunks(segs[step.recv_seg], es, self.S)):
-                user = flat[c.start:c.end]
-                want = self._header(ring, flat, p, s, j, c.numel * es)
-                host = st.recv(rx, want, timeout, staged)
-                recv = st.to_device(j, host, dt, c.numel)
-                nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
-                if step.phase == "rs":  # always forwards (all-gather follows)
-                    out = st.tx_slot(j, dt, c.numel)
-                    if step.last_rs and divisor is not None:
-                        k.reduce_(out, recv, user)
-                        k.scale_(out, divisor)
-                        k.copy_(user, out)
-                    else:
-                        k.reduce_(out, recv, user, out2=user if step.last_rs else None)
-                    assert nxt is not None
-                    st.send_device(tx, nxt, staged, self.timeout_s)
-                else:
-                    k.copy_(user, recv)  # unpack
-                    if nxt is not None:  # forward
-                        st.send_host(tx, nxt, host, staged, self.timeout_s)
 
     def _mismatch(self, got: ChunkHeader, want: ChunkHeader) -> None:
         if got.job != want.job:
