@@ -20,7 +20,7 @@ their leases lapse, and the launcher restarted them). A replica outside the eval
 that evaluates anyway adds no value: it reads the others' result.
 
 The calls line up because every replica evaluates at the same committed steps (Lightning's
-counters follow the job, see FTHSDPStrategy._set_lightning_step) and logs the same metrics
+counters follow the job, see strategy/stepping.py::set_lightning_step) and logs the same metrics
 in the same order.
 """
 from __future__ import annotations

@@ -10,6 +10,7 @@ This module, not the strategy, talks to etcd at start-up; the strategy adapts Li
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_ft.strategy import lightning_compat
+from lightning_ft.strategy import lightning_compat, stepping
 from lightning_ft.strategy.errors import FTHSDPError
 from lightning_ft.strategy.runlog import StepLog
 from lightning_ft.strategy.schedulers import CommittedSchedulers
@@ -81,9 +82,9 @@ def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
             run_dir=s._renv.run_dir, run_id=s._renv.run_id, standby=s._renv.standby)
     except OptimizerError as e:
         raise FTHSDPError(f"ft_hsdp: {e}") from None
-    s.mgr.on_commit = s._on_commit
+    s.mgr.on_commit = functools.partial(stepping.on_commit, s)
     s.mgr.set_scaler(getattr(s.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
-    s.mgr.clip_catchup = s._clip_catchup
+    s.mgr.clip_catchup = functools.partial(stepping.clip_catchup, s)
     from lightning_ft.strategy.callback_state import CallbackState
 
     extras: dict[str, Any] = {}

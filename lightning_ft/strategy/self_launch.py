@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 from typing_extensions import override
 
 from lightning_ft.launch.environment import SELF_LAUNCH_ENV
 from lightning_ft.strategy.lightning_compat import Launcher
+
+if TYPE_CHECKING:
+    from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
 
 CLI_MODULE = "lightning_ft.launch.cli"
 
@@ -111,3 +114,36 @@ class SelfLauncher(Launcher):
     @override
     def kill(self, signum: Any) -> None:
         pass  # this process started no children: exec hands everything to `lightning-ft run`
+
+
+def launcher_for(s: FTHSDPStrategy) -> Any:
+    """The launcher of a program started without launcher variables: built at Trainer(...), so that
+    what cannot self-launch fails there."""
+    import __main__
+
+    from lightning_ft.config import ConfigError
+    from lightning_ft.strategy.errors import FTHSDPError
+
+    if s.num_nodes > 1:
+        raise FTHSDPError(f"strategy='ft_hsdp' self-launch runs on one machine, but Trainer(num_nodes="
+                          f"{s.num_nodes}): start one `lightning-ft run --etcd HOST:PORT --replica-ids ...` "
+                          f"per node, or torchrun/srun with `lightning-ft env` (README: Multi-node)")
+    cwd = original_cwd()
+    spec = getattr(__main__, "__spec__", None)
+    try:
+        script = script_argv(sys.argv, spec.name if spec is not None else None, cwd)
+        cfg = s.load_ft_config()
+    except (SelfLaunchError, ConfigError) as e:
+        raise FTHSDPError(str(e)) from None
+    nproc = world_from_devices(s.parallel_devices)
+    config = s._config_path or os.environ.get("LFT_CONFIG") or None
+    command = run_command(sys.executable, script, nproc=nproc,
+                          config=os.path.join(cwd, config) if config else None, overrides=s._overrides)
+    run_dir = os.path.join(cwd, cfg.run_dir)
+
+    def banner() -> str:
+        return (f"lightning-ft: no launcher variables, so this process launches the job: {cfg.replicas} replicas "
+                f"x {nproc} processes of {os.path.basename(script[0])} under `lightning-ft run`, run dir "
+                f"{run_dir}; it supervises and does not train (Ctrl-C stops the job)")
+
+    return SelfLauncher(command, cwd, banner)

@@ -1,0 +1,68 @@
+"""How a replica ends under `FTHSDPStrategy`: an exception is explained in one line with what
+happens next (a finished job's late replica leaves with 0; a halt keeps only verified
+checkpoints and exits with ExitCode.HALTED), and the replica layer closes in order."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from lightning_ft.constants import ExitCode
+from lightning_ft.strategy.errors import FTHSDPError
+
+if TYPE_CHECKING:
+    from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
+
+
+def on_exception(s: FTHSDPStrategy, exception: BaseException) -> None:
+    from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, JobFinished, JobHalted, QuorumTimeout
+    from lightning_ft.coord.store import StoreError
+    from lightning_ft.ftar.transport.base import FatalError
+    from lightning_ft.replica.manager import ReplicaStateLost, StaleManualStep
+
+    if isinstance(exception, JobFinished):  # a late replica: leave before any user hook runs
+        print(f"lightning-ft: replica {s.rid}: {exception}", file=sys.stderr, flush=True)
+        close(s)
+        sys.stdout.flush()
+        os._exit(0)
+    hint = {
+        JobHalted: "the job stopped: every replica exits; the launcher does not restart them",
+        Evicted: "this replica was evicted (declared failed by the others); the launcher restarts it",
+        ReplicaStateLost: "the launcher restarts this replica, which then catches up from a healthy one",
+        StaleManualStep: "the launcher restarts this replica, which then catches up before its first batch",
+        QuorumTimeout: "no quorum formed in time: too few healthy replicas (min_replicas) or etcd is slow",
+        ConfigMismatch: "this replica's config differs from the running job's; launch it with the same config",
+        StoreError: "etcd is unreachable: check `--etcd` / LFT_ETCD and that the server runs",
+        FatalError: "an unrecoverable FTAR error (bad secret, wrong job or mismatched buffers)",
+        FTHSDPError: "",
+    }
+    for cls, text in hint.items():
+        if isinstance(exception, cls):
+            print(f"lightning-ft: replica {os.environ.get('LFT_REPLICA_ID', '?')} rank {s.global_rank}: "
+                  f"{type(exception).__name__}: {exception}" + (f"\n  -> {text}" if text else ""),
+                  file=sys.stderr, flush=True)
+            break
+    if isinstance(exception, JobHalted) and s.mgr is not None:
+        if s._ckpt is not None:  # a checkpoint still being written must not outlive the verdict
+            s._ckpt.close()
+        s.mgr.on_halt()
+        close(s)
+        sys.stderr.flush()
+        os._exit(ExitCode.HALTED)
+    close(s)
+
+
+def close(s: FTHSDPStrategy) -> None:
+    if s.sampler is not None and hasattr(s.sampler, "close"):
+        s.sampler.close()  # the last loader states reach their files
+    if s._ckpt is not None:
+        s._ckpt.close()
+        s._ckpt = None
+    if s._steplog is not None:
+        s._steplog.close()
+        s._steplog = None
+    if s.mgr is not None:
+        try:
+            s.mgr.close()
+        finally:
+            s.mgr = None
