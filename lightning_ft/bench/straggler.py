@@ -143,12 +143,14 @@ def stop_in_exchange(etcd: str, run_dir: str, ttl_s: float = 2.0, report_after_s
     import uuid
 
     from lightning_ft.launch.supervisor import Supervisor
+    from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
 
     cmd = [sys.executable, LOOP, "--dim", "16", "--hidden", "32", "--batch", "8", "--steps", "3000",
            "--step-sleep", "0.02", "--ttl", str(ttl_s), "--ftar-timeout", "5", "--init-timeout", "30",
            "--stop-in-exchange", f"1@{step}", "--set", f"hang.report_after_s={report_after_s}"]
-    sup = Supervisor(cmd, replicas=3, nproc_per_replica=1, job="hang" + uuid.uuid4().hex[:8], etcd=etcd,
-                     secret="hang-bench-secret-0123456789", run_dir=run_dir, restart_delay_s=0.5, max_restarts=2)
+    sup = Supervisor(cmd, Placement("hang" + uuid.uuid4().hex[:8], replicas=3, nproc_per_replica=1, etcd=etcd,
+                                    secret="hang-bench-secret-0123456789", run_dir=run_dir),
+                     SupervisorSettings(restart_delay_s=0.5, max_restarts=2))
     events = os.path.join(run_dir, "events.jsonl")
     log1 = os.path.join(run_dir, "logs", "r1.i0.rank0.log")
 

@@ -169,6 +169,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from lightning_ft.hydra import LAUNCHER_READ_ENV
     from lightning_ft.launch.argsplit import SEPARATOR
     from lightning_ft.launch.supervisor import Supervisor
+    from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
 
     if a.script == SEPARATOR and a.args:  # `lightning-ft run [flags] -- script.py ...`
         a.script = a.args.pop(0)
@@ -252,19 +253,20 @@ def _cmd_run(a: argparse.Namespace) -> int:
     try:
         print(f"lightning-ft: job {cfg.job!r}: {cfg.replicas} replicas x {cfg.nproc_per_replica} processes, "
               f"{keeper.describe()}, run dir {cfg.run_dir}", flush=True)
-        sup = Supervisor([sys.executable, a.script, *script_args], replicas=cfg.replicas,
-                         nproc_per_replica=cfg.nproc_per_replica, job=cfg.job, etcd=endpoint, secret=secret,
-                         run_dir=cfg.run_dir, replica_ids=replica_ids, restart_delay_s=cfg.failure.restart_delay_s,
-                         max_restarts=a.max_restarts, prefix=cfg.etcd.prefix, restart=a.restart,
-                         checkpoint_root=checkpoint_dir(cfg), store=keeper.store, crash_loop=cfg.supervisor.crash_loop,
-                         min_replicas=cfg.min_replicas, seed_from=resume_from or "",
-                         wrap=os.environ.get("LFT_REPLICA_WRAP", ""), start_timeout_s=cfg.supervisor.start_timeout_s,
-                         exit_timeout_s=cfg.supervisor.exit_timeout_s, standby=cfg.supervisor.standby,
-                         zygote=cfg.supervisor.zygote,
-                         resume_wait_s=max(10.0, cfg.etcd.lease_ttl_s + 6.0),
-                         env={"LFT_CONFIG": config_path, **keeper.child_env(),
-                              **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),
-                              **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})
+        place = Placement(cfg.job, replicas=cfg.replicas, nproc_per_replica=cfg.nproc_per_replica, etcd=endpoint,
+                          secret=secret, run_dir=cfg.run_dir, replica_ids=replica_ids, prefix=cfg.etcd.prefix,
+                          wrap=os.environ.get("LFT_REPLICA_WRAP", ""),
+                          env={"LFT_CONFIG": config_path, **keeper.child_env(),
+                               **({"LFT_RESUME": os.path.abspath(resume_from)} if resume_from else {}),
+                               **({LAUNCHER_READ_ENV: "1"} if app is not None else {})})
+        settings = SupervisorSettings(restart=a.restart, restart_delay_s=cfg.failure.restart_delay_s,
+                                      max_restarts=a.max_restarts, crash_loop=cfg.supervisor.crash_loop,
+                                      min_replicas=cfg.min_replicas, checkpoint_root=checkpoint_dir(cfg),
+                                      seed_from=resume_from or "", start_timeout_s=cfg.supervisor.start_timeout_s,
+                                      exit_timeout_s=cfg.supervisor.exit_timeout_s, standby=cfg.supervisor.standby,
+                                      zygote=cfg.supervisor.zygote,
+                                      resume_wait_s=max(10.0, cfg.etcd.lease_ttl_s + 6.0))
+        sup = Supervisor([sys.executable, a.script, *script_args], place, settings, store=keeper.store)
         try:
             sup.start()
         except RunConflict as e:

@@ -57,11 +57,12 @@ from lightning_ft.launch.zygote import Proc, Zygote, default_preload, python_tar
 
 from lightning_ft.launch.spares import Spares
 from lightning_ft.launch.records import ReplicaSpec, _Replica
-from lightning_ft.launch.supervisor_base import (HALT_GRACE_S, IDLE_WAKE_S, REAP_TIMEOUT_S, RESUME_LIVE_WAIT_S,
-                                                 SPARE_FAILURES, STALL_MAX_AGE_S, TERM_GRACE_S, _peek, _signal, _wait)
+from lightning_ft.launch.supervisor_base import (HALT_GRACE_S, IDLE_WAKE_S, REAP_TIMEOUT_S, SPARE_FAILURES,
+                                                 STALL_MAX_AGE_S, TERM_GRACE_S, _peek, _signal, _wait)
+from lightning_ft.launch.supervisor_settings import RESUME_LIVE_WAIT_S, Placement, SupervisorSettings
 
 __all__ = ["HALT_GRACE_S", "IDLE_WAKE_S", "REAP_TIMEOUT_S", "RESUME_LIVE_WAIT_S", "SPARE_FAILURES", "STALL_MAX_AGE_S",
-           "TERM_GRACE_S", "ReplicaSpec", "Supervisor"]
+           "TERM_GRACE_S", "Placement", "ReplicaSpec", "Supervisor", "SupervisorSettings"]
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.runs import RunHold, open_run
@@ -19,6 +19,7 @@ from lightning_ft.launch import policy
 from lightning_ft.launch.zygote import Proc, Zygote, python_target
 
 from lightning_ft.launch.records import ReplicaSpec, _Replica, _Spare
+from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,6 @@ REAP_TIMEOUT_S = 5.0
 
 SPARE_FAILURES = 3
 """Spares that exit before they register, in a row, after which no more are started."""
-RESUME_LIVE_WAIT_S = 10.0
-"""How long `--resume` waits for a dead job's leases to lapse (a launcher's hold: 5 s)."""
 IDLE_WAKE_S = 1.0
 """run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
 HALT_GRACE_S = 10.0
@@ -42,41 +41,23 @@ STALL_MAX_AGE_S = 15.0
 class SupervisorBase:
     """Records, the run and what etcd says about it (see launch/supervisor.py)."""
 
-    def __init__(self, cmd: list[str], *, replicas: int, nproc_per_replica: int, job: str, etcd: str, secret: str,
-                 run_dir: str, replica_ids: Sequence[int] | None = None, restart_delay_s: float = 0.2,
-                 max_restarts: int = 10, env: dict[str, str] | None = None, store: Store | None = None,
-                 prefix: str = "/lft", hang_check: bool = True, downtime_steps: dict[int, int] | None = None,
-                 hang_grace_s: float = 2.0, restart: str = "replica", checkpoint_root: str = "",
-                 crash_loop: int = 3, min_replicas: int = 1, seed_from: str = "", wrap: str = "",
-                 start_timeout_s: float = 600.0, resume_wait_s: float = RESUME_LIVE_WAIT_S,
-                 exit_timeout_s: float = 120.0, standby: int = 0, zygote: bool = False) -> None:
-        """`hang_grace_s`: a vanished member key counts as a hang only if it stays gone this long
-        while the leader still runs (a leader that revokes its lease on a clean exit is not hung).
-
-        `restart`: "replica" (FT-HSDP: only the failed replica restarts and catches up) or "world"
-        (the baseline, like torchrun elastic: any failure stops every replica, and all restart
-        from the newest valid checkpoint under `checkpoint_root`, or from scratch).
-
-        `crash_loop`: a replica that exits with the same non-zero code this many times in a row
-        without committing a step is not restarted (its log tail is printed); if fewer than
-        `min_replicas` are left, the job stops.
+    def __init__(self, cmd: list[str], place: Placement, settings: Optional[SupervisorSettings] = None, *,
+                 store: Store | None = None) -> None:
+        """Run `cmd` as the replicas of `place`, supervised by `settings` (launch/supervisor_settings.py);
+        `store`: an open etcd client (default: one to `place.etcd`).
 
         The job's run (coord/runs.py) is opened by `start`: a launcher joins the run another
-        launcher of the job (same job id and secret) is running, or starts a new one. A new
-        run started with `seed_from` (a checkpoint directory: `--resume`) gets its cursors.
-
-        `zygote`: restarts fork from a process that imported torch (and Lightning) once
-        (launch/zygote.py) instead of starting Python afresh; only for `[python, script, ...]`
-        (or `-m module`) commands without a `wrap`. Anything it cannot do starts as before."""
+        launcher of the job (same job id and secret) is running, or starts a new one."""
+        st = settings or SupervisorSettings()
+        self.place, self.settings = place, st
+        replicas, nproc_per_replica, job, etcd = place.replicas, place.nproc_per_replica, place.job, place.etcd
+        run_dir, replica_ids, wrap, prefix = place.run_dir, place.replica_ids, place.wrap, place.prefix
+        restart, standby, zygote = st.restart, st.standby, st.zygote
         self._zygote_wanted = zygote and not wrap and python_target(cmd) is not None
         self._zygote: Optional[Zygote] = None
         self._wrap = wrap
         """A command prefix per replica, `{rid}` replaced (e.g. `ip netns exec ns{rid}`: fault harnesses
         put each replica in its own network namespace; `LFT_REPLICA_WRAP` for `lightning-ft run`)."""
-        if standby < 0:
-            raise ValueError(f"standby={standby} must be >= 0")
-        if standby and restart != "replica":
-            raise ValueError("standby spares replace failed replicas; restart='world' restarts every replica")
         self.standby = standby
         """Warm spares to keep (`_top_up_spares`)."""
         self._spares: dict[str, _Spare] = {}
@@ -85,17 +66,15 @@ class SupervisorBase:
         self._spares_read = 0.0
         self._spares_done = False
         """A spare left because the job finished: none is started again."""
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s = st.start_timeout_s
         """A leader not registered this long after its start is hung in initialization (0: never)."""
-        self.exit_timeout_s = exit_timeout_s
+        self.exit_timeout_s = st.exit_timeout_s
         """A replica on its way out (it left the job, or some ranks exited 0) that still runs this
         long after is hung on exit (stopped or deadlocked in teardown): killed and restarted (0: never)."""
-        self._resume_wait_s = resume_wait_s
+        self._resume_wait_s = st.resume_wait_s
         """How long `--resume` waits for a dead job's leases to lapse."""
-        if restart not in ("replica", "world"):
-            raise ValueError(f"restart={restart!r} must be 'replica' or 'world'")
         self.restart_mode = restart
-        self.checkpoint_root = checkpoint_root
+        self.checkpoint_root = st.checkpoint_root
         ids = list(range(replicas)) if replica_ids is None else list(replica_ids)
         bad = [r for r in ids if not 0 <= r < replicas]
         if bad or len(set(ids)) != len(ids):
@@ -107,28 +86,28 @@ class SupervisorBase:
         self.job = job
         self.etcd = etcd
         self.run_dir = run_dir
-        self.restart_delay_s = restart_delay_s
-        self.max_restarts = max_restarts
-        self.hang_check = hang_check
-        self.hang_grace_s = hang_grace_s
-        self.crash_loop = crash_loop
-        self.min_replicas = min_replicas
+        self.restart_delay_s = st.restart_delay_s
+        self.max_restarts = st.max_restarts
+        self.hang_check = st.hang_check
+        self.hang_grace_s = st.hang_grace_s
+        self.crash_loop = st.crash_loop
+        self.min_replicas = st.min_replicas
         self.halted = ""
         """Why the job halted (from etcd), or ""."""
         self.stopped = ""
         """Why the supervisor stopped the job itself (too few replicas left), or ""."""
         self._halted_at = 0.0
-        self._secret = secret
-        self._extra_env = dict(env or {})
+        self._secret = place.secret
+        self._extra_env = dict(place.env)
         self._prefix = prefix
-        self._seed_from = seed_from
+        self._seed_from = st.seed_from
         self.run_id = ""
         """The run this launcher belongs to (set by `start`)."""
         self._root = keys.root(prefix, job)
         self._hold: Optional[RunHold] = None
         self.run_reason = ""
         """What `start` decided about the run, in words."""
-        self._downtime = dict(downtime_steps or {})
+        self._downtime = dict(st.downtime_steps)
         self._schedule = _failure_schedule(self._extra_env.get("LFT_CONFIG"), replicas)
         """The job's failure schedule: per-event downtimes (None without a job config)."""
         self._replicas = {rid: _Replica(ReplicaSpec(rid, nproc_per_replica)) for rid in ids}

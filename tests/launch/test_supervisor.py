@@ -21,6 +21,7 @@ import pytest
 from lightning_ft.coord.store import EtcdStore, MemoryStore
 from lightning_ft.constants import ExitCode
 from lightning_ft.launch.supervisor import TERM_GRACE_S, Supervisor
+from lightning_ft.launch.supervisor_settings import split
 
 CHILD = str(Path(__file__).with_name("child.py"))
 
@@ -44,7 +45,8 @@ def make(etcd_endpoint, tmp_path):
     def _make(*specs: str, **kw) -> Supervisor:
         kw = {"replicas": 2, "nproc_per_replica": 2, "job": job, "etcd": etcd_endpoint, "secret": "s3cret",
               "run_dir": str(tmp_path / "run"), "restart_delay_s": 0.2, **kw}
-        sup = Supervisor([sys.executable, CHILD, str(out), *specs], **kw)
+        store = kw.pop("store", None)
+        sup = Supervisor([sys.executable, CHILD, str(out), *specs], *split(**kw), store=store)
         made.append(sup)
         return sup
 
@@ -271,8 +273,9 @@ def test_sigterm_to_a_running_supervisor_shuts_down_its_children(make, etcd_endp
     script = textwrap.dedent(f"""
         import sys
         from lightning_ft.launch.supervisor import Supervisor
-        sup = Supervisor([sys.executable, {CHILD!r}, {str(make.out)!r}], replicas=1, nproc_per_replica=2,
-                         job={make.job!r}, etcd={etcd_endpoint!r}, secret="", run_dir={str(tmp_path / 'run2')!r})
+        from lightning_ft.launch.supervisor_settings import split
+        sup = Supervisor([sys.executable, {CHILD!r}, {str(make.out)!r}], *split(replicas=1, nproc_per_replica=2,
+                         job={make.job!r}, etcd={etcd_endpoint!r}, secret="", run_dir={str(tmp_path / 'run2')!r}))
         sys.exit(sup.run(timeout_s=30))
     """)
     p = subprocess.Popen([sys.executable, "-c", script])
@@ -316,8 +319,8 @@ def test_replica_ids_out_of_range_are_refused(make):
 
 
 def test_a_command_that_cannot_start_says_so(etcd_endpoint, tmp_path):
-    sup = Supervisor([str(tmp_path / "no-such-program")], replicas=1, nproc_per_replica=2, job="nostart",
-                     etcd=etcd_endpoint, secret="", run_dir=str(tmp_path / "run"))
+    sup = Supervisor([str(tmp_path / "no-such-program")], *split(replicas=1, nproc_per_replica=2, job="nostart",
+                     etcd=etcd_endpoint, secret="", run_dir=str(tmp_path / "run")))
     try:
         with pytest.raises(RuntimeError, match="cannot start replica 0 rank 0 .*no-such-program"):
             sup.start()
@@ -349,8 +352,9 @@ def test_clean_exit_marker_is_not_mistaken_for_a_hang(etcd_endpoint, tmp_path):
     exit, is waited for, not killed as hung."""
     job = "left" + uuid.uuid4().hex[:6]
     script = _leaving_leader(tmp_path / "slow_exit.py", "time.sleep(1.5)  # a slow interpreter teardown\n")
-    sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
-                     secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3, restart_delay_s=0.1)
+    sup = Supervisor([sys.executable, str(script)], *split(replicas=1, nproc_per_replica=1, job=job,
+                     etcd=etcd_endpoint, secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3,
+                     restart_delay_s=0.1))
     try:
         sup.start()
         assert sup.run(timeout_s=30) == 0
@@ -427,9 +431,9 @@ def test_a_leader_stopped_after_it_left_the_job_is_killed_and_restarted_after_th
     job = "stop" + uuid.uuid4().hex[:6]
     script = _leaving_leader(tmp_path / "stops_in_teardown.py", "os.kill(os.getpid(), signal.SIGSTOP)\n",
                              first_only=True)
-    sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
-                     secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3, restart_delay_s=0.1,
-                     exit_timeout_s=2.0)
+    sup = Supervisor([sys.executable, str(script)], *split(replicas=1, nproc_per_replica=1, job=job,
+                     etcd=etcd_endpoint, secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3,
+                     restart_delay_s=0.1, exit_timeout_s=2.0))
     try:
         sup.start()
         pid = status(sup, 0)["pids"][0]
@@ -476,8 +480,8 @@ def test_spares_that_keep_dying_before_they_register_are_not_started_again(etcd_
                       "if os.environ.get('LFT_STANDBY'):\n    assert 'LFT_REPLICA_ID' not in os.environ\n"
                       "    sys.exit(3)\n"
                       "time.sleep(4.0)\n")
-    sup = Supervisor([sys.executable, str(script)], replicas=1, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
-                     secret="s", run_dir=str(tmp_path / "run"), standby=1, hang_check=False)
+    sup = Supervisor([sys.executable, str(script)], *split(replicas=1, nproc_per_replica=1, job=job,
+                     etcd=etcd_endpoint, secret="s", run_dir=str(tmp_path / "run"), standby=1, hang_check=False))
     try:
         sup.start()
         with caplog.at_level(logging.WARNING):
@@ -493,8 +497,8 @@ def test_spares_that_keep_dying_before_they_register_are_not_started_again(etcd_
 
 def test_standby_is_refused_with_world_restarts(tmp_path):
     with pytest.raises(ValueError, match="world"):
-        Supervisor(["true"], replicas=2, nproc_per_replica=1, job="j", etcd="127.0.0.1:1", secret="s",
-                   run_dir=str(tmp_path), standby=1, restart="world", store=MemoryStore())
+        Supervisor(["true"], *split(replicas=2, nproc_per_replica=1, job="j", etcd="127.0.0.1:1", secret="s",
+                   run_dir=str(tmp_path), standby=1, restart="world"), store=MemoryStore())
 
 
 def test_restarts_fork_from_the_zygote_exits_are_seen_and_shutdown_kills_their_groups(make, store):

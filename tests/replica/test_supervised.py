@@ -13,6 +13,7 @@ import uuid
 from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.launch.supervisor import Supervisor
+from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from tests.strategy.runs import run_root
 
@@ -35,9 +36,9 @@ def test_supervised_job_survives_kill_hang_and_exception(etcd_endpoint, tmp_path
     cmd = [sys.executable, LOOP, "--dim", "16", "--hidden", "32", "--batch", "8", "--steps", "230",
            "--step-sleep", "0.1", "--ttl", "1", "--ftar-timeout", "3", "--init-timeout", "30",
            "--failures", "1@10:kill,2@80:hang,0@150:exception"]
-    sup = Supervisor(cmd, replicas=3, nproc_per_replica=1, job=job, etcd=etcd_endpoint,
-                     secret="supervised-test-secret-0123",
-                     run_dir=str(tmp_path), restart_delay_s=0.5, max_restarts=3)
+    sup = Supervisor(cmd, Placement(job, replicas=3, nproc_per_replica=1, etcd=etcd_endpoint,
+                                    secret="supervised-test-secret-0123", run_dir=str(tmp_path)),
+                     SupervisorSettings(restart_delay_s=0.5, max_restarts=3))
     try:
         sup.start()
         rc = sup.run(timeout_s=400)
