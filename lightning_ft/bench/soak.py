@@ -12,15 +12,15 @@ replica's network link goes down for 2-6 s: FTAR and etcd alike; each replica ru
 network namespace on a bridge, lightning_ft/bench/netns.py, which needs root: without it the
 kind is left out, and the soak says why), job (kill the launcher and every replica, then
 `lightning-ft run --resume`), and etcd (SIGKILL the etcd leader member; it is restarted on its
-data a few seconds later). With probability
-`--overlap` a fault hits two replicas at once. etcd is a 3-member cluster outside the job
-with data directories, so the ledger survives whole-job kills, and checks span every restart.
+data a few seconds later). With probability `--overlap` a fault hits two replicas at once.
+etcd is a 3-member cluster outside the job with data directories, so the ledger survives
+whole-job kills, and checks span every restart.
 
 The soak ends when the job does: a launcher that exited, or a job that halted (no majority of
 replica states agreed), stops the faults at once; the line then says `"halted": true` with
-the reason, and the soak fails. At the end it verifies the final model's history from the ledger (lost and duplicated
-batches), the replicas' final digests, stalls (no committed step for `--hang-s`), and
-prints one line:
+the reason, and the soak fails. At the end it verifies the final model's history from the
+ledger (lost and duplicated batches), the replicas' final digests, stalls (no committed step
+for `--hang-s`), and prints one line:
 
     {"bench": "soak", "faults": N, "overlapping": n, "lost_batches": 0, "duplicate_batches": 0,
      "at_end": replicas that trained to the last step (compared for "identical"),
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from itertools import pairwise
-from typing import Optional
+from typing import Iterator, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_LM = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "train_lm.py")
@@ -253,18 +253,21 @@ def hangs(run_dir: str, replicas: int, hang_s: float) -> int:
     return sum(1 for x, y in pairwise(ts) if y - x >= hang_s)
 
 
-def halt_reason(run_dir: str) -> str:
-    """Why the job halted (the coordinator's `halt` or the launcher's `job_halted` event), or ""."""
+def _events(run_dir: str) -> Iterator[dict]:
+    """The events of events.jsonl (a torn last line skipped)."""
     path = os.path.join(run_dir, "events.jsonl")
     if os.path.exists(path):
         for line in open(path):
             try:
-                ev = json.loads(line)
+                yield json.loads(line)
             except ValueError:
                 continue
-            if ev.get("event") in ("halt", "job_halted"):
-                return str(ev.get("reason") or "halted")
-    return ""
+
+
+def halt_reason(run_dir: str) -> str:
+    """Why the job halted (the coordinator's `halt` or the launcher's `job_halted` event), or ""."""
+    return next((str(ev.get("reason") or "halted") for ev in _events(run_dir)
+                 if ev.get("event") in ("halt", "job_halted")), "")
 
 
 HALT_EXIT_GRACE_S = 60.0
@@ -279,15 +282,9 @@ def heals(run_dir: str) -> dict[str, int]:
     whose ledger records were refused (disowned), a state made by a redone round (stale), a
     digest that disagreed with the majority (diverged)."""
     got = dict.fromkeys(HEALS, 0)
-    path = os.path.join(run_dir, "events.jsonl")
-    if os.path.exists(path):
-        for line in open(path):
-            try:
-                name = json.loads(line).get("event")
-            except ValueError:
-                continue
-            if name in got:
-                got[name] += 1
+    for ev in _events(run_dir):
+        if ev.get("event") in got:
+            got[ev["event"]] += 1
     return got
 
 
