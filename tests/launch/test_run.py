@@ -35,7 +35,7 @@ def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
     run_dir = tmp_path / "run"
     r = lft("run", "--replicas", "2", "--nproc-per-replica", "1", "--run-dir", str(run_dir), "--no-status",
             "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "300", "--step-sleep", "0.05",
-            "failure.events=[{replica: 1, step: 10, kind: kill}]", "failure.restart_delay_s=0.2",
+            "failure.events=[{replica: 1, step: 40, kind: kill}]", "failure.restart_delay_s=0.2",
             "min_replicas=2",  # the survivor waits for the restart, however slow, so both train to the end
             "job=" + "run" + uuid.uuid4().hex[:6])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -50,14 +50,16 @@ def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
     bd = [e for e in events if e["event"] == "restart_breakdown"]
     late = '"finished_already"' in (run_dir / "logs" / "r1.i1.rank0.log").read_text()
     assert [(e["replica"], e["incarnation"]) for e in bd] == ([] if late else [(1, 1)])
+    restart = next(r for r in events if r["event"] == "restart")
+    forked = "zygote_pid" in restart  # a plain `python loop.py` command restarts through the zygote...
     for e in bd:
-        # forked from the zygote (supervisor.zygote, default on), which had imported torch: the
-        # parts start after the fork (a cold start would time python and torch too)
-        assert e.get("zygote") is True, e  # a plain `python loop.py` command restarts through it
+        # ... (supervisor.zygote, default on) once it has imported torch: the parts start after the
+        # fork. CI saw the restart come while the zygote was still importing on a loaded machine:
+        # then it is a cold start, timed from python on, and says so.
+        assert e.get("zygote", False) is forked, (e, restart)
         assert {"setup", "registered", "first_step"} <= set(e["parts"]), e
-        assert not {"python", "torch"} & set(e["parts"]), e
+        assert bool({"python", "torch"} & set(e["parts"])) is not forked, e
         assert all(v >= 0 for v in e["parts"].values())
-        restart = next(r for r in events if r["event"] == "restart")
         assert abs(e["spawn_t"] - restart["t"]) < 2.0 and e["spawn_t"] + e["total_s"] <= e["t"] + 0.01
     finals = final_digests(run_dir)
     assert set(finals) == {0, 1} and finals[0] == finals[1]
