@@ -30,6 +30,19 @@ from .transport.base import ChunkHeader, RxLink, TxLink
 from .transport.staging import DeviceStaging
 
 
+def _reduce(k: Any, out: torch.Tensor, recv: torch.Tensor, user: torch.Tensor, last_rs: bool,
+            divisor: Optional[float]) -> None:
+    """A staged reduce-scatter chunk with the ops `k` (ops, or the device kernels): the next hop's
+    staging `out` = recv + user; on the last step the user's buffer gets the sum too, fused into
+    the reduce, or copied after the scale when there is a divisor."""
+    if last_rs and divisor is not None:
+        k.reduce_(out, recv, user)
+        k.scale_(out, divisor)
+        k.copy_(user, out)
+    else:
+        k.reduce_(out, recv, user, out2=user if last_rs else None)
+
+
 class Path:
     """One all-reduce's per-chunk work on one data path (see the module docstring)."""
 
@@ -77,12 +90,7 @@ class Staged(Path):
         out = self.tx.reserve(nxt, timeout).view(dt)[:n] if nxt is not None else None
         if step.phase == "rs":  # always forwards (all-gather follows)
             assert out is not None
-            if step.last_rs and self.divisor is not None:
-                ops.reduce_(out, recv, user)
-                ops.scale_(out, self.divisor)
-                ops.copy_(user, out)
-            else:
-                ops.reduce_(out, recv, user, out2=user if step.last_rs else None)
+            _reduce(ops, out, recv, user, step.last_rs, self.divisor)
         else:
             ops.copy_(user, recv)
             if out is not None:  # forward
@@ -110,12 +118,7 @@ class Device(Path):
         recv = st.to_device(j, host, dt, n)
         if step.phase == "rs":  # always forwards (all-gather follows)
             out = st.tx_slot(j, dt, n)
-            if step.last_rs and self.divisor is not None:
-                k.reduce_(out, recv, user)
-                k.scale_(out, self.divisor)
-                k.copy_(user, out)
-            else:
-                k.reduce_(out, recv, user, out2=user if step.last_rs else None)
+            _reduce(k, out, recv, user, step.last_rs, self.divisor)
             assert nxt is not None
             st.send_device(self.tx, nxt, self.staged, self.timeout_s)
         else:
