@@ -25,7 +25,10 @@ def test_ftar_bench_runs_ftar_and_gloo_side_by_side():
     assert [r["transport"] for r in rows] == ["tcp", "shm"]
     for r in rows:
         assert r["bench"] == "ftar" and r["ranks"] == 2 and r["ftar_busbw_gbps"] > 0 and r["gloo_busbw_gbps"] > 0
-        assert abs(r["ratio"] - r["ftar_busbw_gbps"] / r["gloo_busbw_gbps"]) < 0.01
+        # Both rates are printed to 3 decimals, so their quotient is known only within the
+        # rounding: at 0.149 GB/s a half-unit of the last digit moves it by 0.3%.
+        f, g, half = r["ftar_busbw_gbps"], r["gloo_busbw_gbps"], 0.0005
+        assert (f - half) / (g + half) - half <= r["ratio"] <= (f + half) / max(g - half, 1e-9) + half
         assert len(r["loadavg"].split()) == 3
 
 
