@@ -251,23 +251,18 @@ def main(argv: list[str]) -> int:
 
     mgr.on_commit = lambda plan: row("step", plan)
     mgr.on_retry = lambda plan: row("retry", plan)
-    exchange = mgr.exchange
-
-    def failing_exchange(plan, **kw):  # --fail-commit-at: a partial completion, this replica votes "failed"
-        vote = exchange(plan, **kw)
-        if inc == 0 and plan.step == a.fail_commit_at and plan.contribute and (
-                not a.fail_replicas or str(rid) in a.fail_replicas.split(",")):
-            a.fail_commit_at = -1
+    def after_exchange() -> bool:  # on the averaged gradients, the same on every replica
+        if a.clip:
+            nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        plan = mgr.last_plan
+        chosen = not a.fail_replicas or str(rid) in a.fail_replicas.split(",")
+        if inc == 0 and plan.step == a.fail_commit_at and chosen:
+            a.fail_commit_at = -1  # --fail-commit-at: a partial completion, this replica votes "failed"
             return False
-        return vote
-
-    mgr.exchange = failing_exchange
-
-    def clip() -> None:  # on the averaged gradients, the same on every replica
-        nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        return True
 
     if a.clip:
-        mgr.clip_catchup = clip
+        mgr.clip_catchup = lambda: nn.utils.clip_grad_norm_(model.parameters(), a.clip)
 
     def compute(plan) -> None:
         ids = stream.batch(rid, plan.batch_index)[rank::world]
@@ -307,7 +302,7 @@ def main(argv: list[str]) -> int:
             if inc == 0 and mgr.step == a.hang_at and leader:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
-            mgr.run_step(compute, after_exchange=clip if a.clip else None)
+            mgr.run_step(compute, after_exchange=after_exchange)
         mgr.mark_finished()  # a replica restarted from now on finds nothing to train (no lone rewind)
         digests = mgr.gather(state_digest(model, opt))
         if leader:

@@ -9,6 +9,7 @@ rewind) -> rounds.py (a round's quorum and ring) -> manager.py (the step: exchan
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from lightning_ft.replica import data as ledger
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.group import ReplicaGroup
 from lightning_ft.replica.plan import StepPlan, StepStats
+from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.settings import Identity, Settings
 from lightning_ft.replica import startup
 from lightning_ft.replica.catchup import StateServer
@@ -69,9 +71,6 @@ class ReplicaBase:
         """Several optimizers: each `optimizer.step()` is a round (quorum rule 15)."""
         self.phase: tuple[int, bool] = (-1 if self.multi else 0, False)
         """(optimizer, continues a batch) of this replica's next round (reported; rule 15)."""
-        self.batches = 0
-        """Batches the job's history committed (one per batch-start round): `step` counts optimizer
-        steps; with one optimizer both are equal."""
         self._all_buckets: list[GradBuckets] = []
         # Captured now, while FSDP2's parameters are the sharded DTensors (see state.py).
         self._named_params = list(model.named_parameters())
@@ -117,20 +116,9 @@ class ReplicaBase:
                                              transport=st.transport)
         self.digest_every, self.checkpoint_every = max(0, st.digest_every), max(0, st.checkpoint_every)
         self.checkpoint_root, self.run_dir = st.checkpoint_root, run_dir
-        self.step = 0
-        """Committed steps of this replica (its state is at the end of step `step - 1`)."""
-        self.gen = 0
-        """History generation of this replica's state (a rewind starts a new one)."""
-        self.synced = False
-        """The state comes from the job's history: it adopted or committed in `gen`."""
-        self._disowned = False
-        """The ledger refused our records of commits (our lease lapsed, or we were evicted): the
-        others may have redone those steps without us, so our state is not the job's history
-        even at the same step. Reported with no generation (not usable) until we adopt a state."""
-        self._made: tuple[int, int] = (-1, -1)
-        """(round, epoch) of the round that made our state: the last commit, or the sync round
-        we adopted in or were the source of (reported; quorum rule 8, provenance)."""
-        self.cursor = 0
+        self.state = ReplicaState()
+        """Where this replica's state stands in the job's history (replica/replica_state.py),
+        replaced whole at each transition; `step`, `gen`, `synced`, `cursor` and `batches` read it."""
         self._coord: Optional[Coordinator] = None
         self._ftar: Optional[FTAR] = None
         self._server: Optional[StateServer] = None
@@ -179,6 +167,46 @@ class ReplicaBase:
         after the vote: what a contributor's `after_exchange` does to them (gradient clipping),
         without its user hooks. Without it a catch-up applied unclipped gradients where the
         contributors clipped, and the caught-up replica diverged (the typical program)."""
+
+    # -- the state's standing, read from `state` (one value; replica/replica_state.py) ------------
+    @property
+    def step(self) -> int:
+        """Committed steps of this replica (its state is at the end of step `step - 1`)."""
+        return self.state.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.state = replace(self.state, step=step)
+
+    @property
+    def gen(self) -> int:
+        return self.state.gen
+
+    @gen.setter
+    def gen(self, gen: int) -> None:
+        self.state = replace(self.state, gen=gen)
+
+    @property
+    def synced(self) -> bool:
+        return self.state.synced
+
+    @property
+    def cursor(self) -> int:
+        return self.state.cursor
+
+    @cursor.setter
+    def cursor(self, cursor: int) -> None:
+        self.state = replace(self.state, cursor=cursor)
+
+    @property
+    def batches(self) -> int:
+        """Batches the job's history committed (one per batch-start round): `step` counts optimizer
+        steps; with one optimizer both are equal."""
+        return self.state.batches
+
+    @batches.setter
+    def batches(self, batches: int) -> None:
+        self.state = replace(self.state, batches=batches)
 
     @property
     def is_leader(self) -> bool:

@@ -32,12 +32,12 @@ class History(ReplicaBase):
                 # others' failed) kept its step S+1, re-registered and reported it next to theirs,
                 # which they had redone without it: same step, other state. Majorities healed it;
                 # with two replicas left the divergence guard halted the job.
-                self._disowned = True
+                self.state = self.state.disown()
                 log.warning("replica %d: the ledger refused our records of steps %d..%d (evicted or our lease "
                             "lapsed): the others may have redone them without us, so this replica adopts a "
                             "member's state before it trains again", self.rid, recs[0][0], recs[-1][0])
                 self.event("disowned", steps=[recs[0][0], recs[-1][0]])
-        return not self._disowned
+        return not self.state.disowned
 
     # -- the divergence guard --------------------------------------------------------------------
     def digest_due(self, step: int) -> bool:

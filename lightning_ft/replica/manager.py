@@ -101,11 +101,21 @@ class ReplicaManager(Rounds):
             else:
                 self._stash = plan
         self._t_free = time.monotonic()
+        return self._outcome(res)
+
+    def _outcome(self, res: StepResult) -> StepResult:
+        """The step's result as the caller reads it: the committed count, the last round's role,
+        the job's stop decision and who writes (one object; the glue reads nothing else)."""
+        plan = self.last_plan
+        res.step = self.step
+        res.role = plan.role if plan is not None else ""
+        res.stop = bool(plan is not None and plan.quorum.stop and res.committed)
+        res.writer = self.rid == (min(plan.quorum.contributors) if plan is not None else 0)
         return res
 
     def run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int] = None,
                  recompute: Optional[Callable[[StepPlan], Any]] = None, pending: Optional[Future] = None,
-                 computed: bool = False, after_exchange: Optional[Callable[[], None]] = None,
+                 computed: bool = False, after_exchange: Optional[Callable[[], Optional[bool]]] = None,
                  loss: Any = None, extra: Optional[Callable[[StepPlan], Any]] = None,
                  phase: Optional[tuple[int, bool]] = None) -> StepResult:
         """Run rounds until one commits a step in which this replica trained (see `_run_step`).
@@ -129,10 +139,10 @@ class ReplicaManager(Rounds):
         elif res.trained and self._clean and t_begin is not None and self._t_ready is not None:
             self._compute.append(self._t_ready - t_begin)
             self._compute_round = self._committed_round
-        return res
+        return self._outcome(res)
 
     def _run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int], recompute: Optional[Callable],
-                  pending: Optional[Future], computed: bool, after_exchange: Optional[Callable[[], None]],
+                  pending: Optional[Future], computed: bool, after_exchange: Optional[Callable[[], Optional[bool]]],
                   loss: Any, extra: Optional[Callable[[StepPlan], Any]]) -> StepResult:
         """Run rounds until one commits a step in which this replica trained.
 
@@ -144,7 +154,8 @@ class ReplicaManager(Rounds):
         After a catch-up or sync replaced the weights, gradients computed before are stale:
         `recompute(plan)` redoes them (default: `compute` if the caller had not computed yet, else
         raise StaleManualStep). `after_exchange()` runs
-        on the averaged gradients before the optimizer step (clipping). `extra(plan)` adds the
+        on the averaged gradients before the optimizer step (clipping); returning False makes
+        this rank vote "failed", so the replica retries the step in a new round. `extra(plan)` adds the
         gradients of `plan.extra`, the absent slots' batches this replica trains under
         batch_policy "constant", to those of its own batch (forward and backward each)."""
         res = StepResult(loss=loss)
@@ -225,8 +236,8 @@ class ReplicaManager(Rounds):
             if vote == OK and self.scaler is not None:
                 # before clipping and the user's hooks, as Lightning does
                 self.scaler.unscale(self.stepped_optimizer(plan))
-            if vote == OK and after_exchange is not None:
-                after_exchange()
+            if vote == OK and after_exchange is not None and after_exchange() is False:
+                vote = FAILED  # the caller's check of the averaged gradients failed: retry the step
             if self.commit(vote):
                 res.committed += 1
                 res.trained = True
@@ -354,14 +365,9 @@ class ReplicaManager(Rounds):
             self.scaler.update(skip)
         opt.zero_grad(set_to_none=True)
         q = plan.quorum
-        self.step, self.gen, self.synced = plan.step + 1, q.gen, True
-        self.batches += 0 if plan.cont else 1
-        self._made = (q.round, q.epoch)
-        if plan.role != "train":  # a catch-up's state is the contributors' (a disowned one never trains)
-            self._disowned = False
-        mine = (plan.batches or {}).get(self.rid)
-        if mine is not None:  # we trained it, or (constant policy, catching up) someone did for us
-            self.cursor = max(self.cursor, mine + 1)
+        # `mine`: we trained it, or (constant policy, catching up) someone did for us
+        self.state = self.state.committed(plan.step, q.gen, (q.round, q.epoch), trained=plan.role == "train",
+                                          new_batch=not plan.cont, mine=(plan.batches or {}).get(self.rid))
         self._committed_round = q.round
         if self.is_leader:
             # Written before this replica reports for a later (full) round, from the quorum

@@ -96,3 +96,12 @@ class StepResult:
     """The slot's cursor went back (a rewind): the delivered batch is not the next to train;
     the caller must re-position its data source at `ReplicaManager.cursor`."""
     loss: Any = None
+    step: int = 0
+    """The job's committed steps after the call (what this replica holds)."""
+    role: str = ""
+    """The last round's role ("train", "catchup", "source", "adopt"; "" before any round)."""
+    stop: bool = False
+    """The job agreed to stop at a step this call committed: every replica stops after it."""
+    writer: bool = False
+    """This replica writes the job's files (checkpoints): the lowest-id contributor of the last
+    round; replica 0 before any round."""

@@ -147,10 +147,9 @@ class Rounds(Sync):
     def _report_state(self, digest: Optional[tuple[int, str]] = None) -> dict[str, Any]:
         """Leader: what our full-round report says about our state (Coordinator.quorum's fields).
         A disowned state claims no generation, so the quorum never counts it as the job's."""
-        state: dict[str, Any] = dict(gen=-1 if self._disowned else self.gen,
-                                     synced=self.synced and not self._disowned, blame=self._blame,
-                                     stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
-                                     made=self._made, opt=self.phase[0], cont=self.phase[1])
+        state: dict[str, Any] = self.state.report()
+        state.update(blame=self._blame, stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
+                     opt=self.phase[0], cont=self.phase[1])
         if len(self._compute) >= self.straggler_window:
             state.update(compute_ms=round(statistics.fmean(self._compute) * 1e3, 3), compute_round=self._compute_round)
         else:  # not measured since we (re)joined: say so, or the report would keep an old value

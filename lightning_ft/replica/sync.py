@@ -117,8 +117,7 @@ class Sync(History):
                                    "state is partly overwritten, so this replica exits to restart fresh")
         if vote != OK:
             return False
-        self.step, self.gen, self.synced = q.max_step, q.gen, True
-        self._disowned, self._made = False, (q.round, q.epoch)
+        self.state = self.state.adopted(q.max_step, q.gen, (q.round, q.epoch))
         if q.rewind is not None:
             cur = ledger.read_cursor(self.store, self.root, self.rid, q.gen) if self.is_leader else 0
             self.cursor = self.group.broadcast(cur)

@@ -15,7 +15,8 @@ from typing import Optional
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from typing_extensions import override
 
-from lightning_ft.launch.environment import ReplicaEnv, replica_env
+from lightning_ft.launch.environment import LaunchEnvError, ReplicaEnv, launcher_variables, replica_env
+from lightning_ft.strategy.errors import FTHSDPError
 
 
 class ReplicaEnvironment(ClusterEnvironment):
@@ -69,3 +70,16 @@ class ReplicaEnvironment(ClusterEnvironment):
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         pass  # W comes from the launcher, not from Trainer(devices=..., num_nodes=...)
+
+
+def launched_replica() -> Optional[ReplicaEnv]:
+    """Who this process is; None when no launcher started it (the program self-launches,
+    strategy/self_launch.py); else FTHSDPError saying how to launch."""
+    try:
+        return replica_env(os.environ)
+    except LaunchEnvError as e:
+        seen = launcher_variables(os.environ)
+        if not seen:
+            return None
+        raise FTHSDPError(f"strategy='ft_hsdp': {e} (a launcher started this process: {', '.join(seen)} "
+                          f"set, so it does not launch the job itself)") from None

@@ -228,3 +228,35 @@ def op_name(reduce_op: Optional[Any]) -> str:
     from torch.distributed import ReduceOp
 
     return {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}.get(reduce_op, "mean")
+
+
+def begin_validation(s: Any) -> None:
+    """`on_validation_start` of strategy `s`: metrics logged from here on are reduced across the
+    replicas, and torchmetrics objects sync over the whole set."""
+    s._reducer.begin("sanity" if s._module.trainer.sanity_checking else "val")
+    sync_metrics(s._module, s._reducer)
+
+
+def end_validation(s: Any) -> None:
+    """`on_validation_end`: the shards follow the live replicas, but Lightning keeps the loader
+    (and its batch count) of the first validation: with fewer replicas it would stop each shard
+    early and evaluate part of the set. Rebuild it at the next validation."""
+    from lightning_ft.strategy import lightning_compat
+
+    s._reducer.end()
+    lightning_compat.rebuild_val_loader(s._module.trainer)
+
+
+def decide(reducer: CrossReplicaReducer, ask: Callable[[], bool]) -> bool:
+    """`reduce_boolean_decision` over every rank of every live replica: `ask()` is the replica's
+    own (Lightning's, within the replica); its answer counts as a decision, apart from metrics."""
+    active = reducer.active
+    if not active:
+        reducer.begin("decide")
+    reducer.deciding = True
+    try:
+        return ask()
+    finally:
+        reducer.deciding = False
+        if not active:
+            reducer.end()

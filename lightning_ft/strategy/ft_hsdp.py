@@ -1,44 +1,32 @@
 """`FTHSDPStrategy`: fault-tolerant HSDP as a Lightning strategy (docs/ARCHITECTURE.md, "Lightning glue").
 
-One Lightning "world" is one replica: W processes running FSDP2 over their own process
-group (Lightning's `ModelParallelStrategy`, gloo on CPU). Across replicas nothing is a
-torch.distributed collective: the framework-free `ReplicaManager` owns the whole step
-(quorum, catch-up, sync and rewind rounds, the FTAR exchange, the two-phase commit,
-retries). This class only adapts Lightning's hooks to it; each hook's work is in a module of
-its own, functions over the strategy:
-
-- replica_start.py: a finished job's late replica leaves; the replica layer is built and started;
-- stepping.py: `on_train_start` (`mgr.prepare()`: sync / catch-up / rewind before the first
-  batch), `optimizer_step` (`mgr.run_step(closure, ...)`, then Lightning's counters from the
-  committed step count, the checkpoint, the run log), the stop decision;
-- loaders.py: the exactly-once train loader, sharded evaluation loaders;
-- replica_end.py: exceptions explained, a halt's exit, closing in order;
-- self_launch.py: `python train.py` without a launcher.
-
-`on_train_batch_start` stays here: the exactly-once loader's tag of the batch, and `begin_step`
-(the round's quorum overlaps forward/backward; backward hooks send gradient buckets). Side jobs:
-schedulers.py (schedulers stepped once per committed step), sharding.py (auto `fully_shard`),
-checkpoints.py (persistent checkpoints), runlog.py (steps.jsonl, final.json, metrics),
-sampler.py (the exactly-once batch sampler), streaming.py (stream loaders over an
-IterableDataset: split, loader states, resume).
+One Lightning "world" is one replica: W processes running FSDP2 over their own process group
+(Lightning's `ModelParallelStrategy`, gloo on CPU). Across replicas the framework-free
+`ReplicaManager` owns the whole step (quorum, catch-up, sync and rewind rounds, the FTAR
+exchange, the two-phase commit, retries); its `StepResult` says what a step did. This class
+only adapts Lightning's hooks; each hook's work is in a module of its own, functions over the
+strategy: replica_start.py (config, a finished job's late replica, sharding, the replica layer),
+stepping.py (`on_train_start`, `optimizer_step`, Lightning's counters), loaders.py (the
+exactly-once train loader, sharded evaluation), evaluation.py (metrics and decisions across
+replicas), resume.py (`fit(ckpt_path=...)`), replica_end.py (exceptions, a halt, closing in
+order), self_launch.py (`python train.py` without a launcher). Every Lightning private is
+reached through lightning_compat.py.
 """
 from __future__ import annotations
 
-import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_ft.config import FTConfig
 from lightning_ft.replica import startup
-from lightning_ft.strategy import lightning_compat, loaders, replica_end, replica_start, stepping
+from lightning_ft.replica.plan import StepResult
+from lightning_ft.strategy import evaluation, loaders, replica_end, replica_start, stepping
+from lightning_ft.strategy.environment import launched_replica
 from lightning_ft.strategy.errors import FTHSDPError
-from lightning_ft.strategy.runlog import FTMetrics, StepLog, metrics, write_final
+from lightning_ft.strategy.runlog import StepLog, metrics, write_final
 from lightning_ft.strategy.sampler import FTBatchSampler
 from lightning_ft.strategy.schedulers import CommittedSchedulers
 
@@ -46,24 +34,6 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
     from lightning_ft.strategy.streaming import StreamLoader
-
-log = logging.getLogger(__name__)
-
-
-
-def _replica_env() -> Any:
-    """Who this process is (launch/environment.py); None when no launcher started it (the
-    program self-launches, strategy/self_launch.py); else FTHSDPError saying how to launch."""
-    from lightning_ft.launch.environment import LaunchEnvError, launcher_variables, replica_env
-
-    try:
-        return replica_env(os.environ)
-    except LaunchEnvError as e:
-        seen = launcher_variables(os.environ)
-        if not seen:
-            return None
-        raise FTHSDPError(f"strategy='ft_hsdp': {e} (a launcher started this process: {', '.join(seen)} "
-                          f"set, so it does not launch the job itself)") from None
 
 
 class FTHSDPStrategy(ModelParallelStrategy):
@@ -96,7 +66,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
         if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
             raise FTHSDPError(f"FTHSDPStrategy(replicas={replicas!r}): R must be an integer >= 1")
-        self._renv = _replica_env()  # fail at Trainer(...) with how to launch, not deep inside fit()
+        self._renv: Any = launched_replica()  # fail at Trainer(...) with how to launch, not deep inside fit()
         super().__init__(**kwargs)
         if self._renv is not None:
             self.cluster_environment = ReplicaEnvironment(self._renv)
@@ -109,34 +79,27 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.lr_intervention = lr_intervention
         self._data_seed = data_seed
         self.overlap = overlap
-        self._pending: Any = None
         self.cfg: Optional[FTConfig] = None
         self.mgr: Any = None
+        self.last: Optional[StepResult] = None
+        """What the replica layer's last `prepare`/`run_step` did: the glue reads nothing else."""
         self.sampler: Optional[Union[FTBatchSampler, StreamLoader]] = None
-        self._window: list[tuple[tuple[int, int], Any, int]] = []
-        self._batch: Optional[list] = None
-        """Several optimizers: [the batch's window, still ours to step]."""
+        self._pending: Any = None  # the overlapped round's quorum (begin_step)
+        self._window: list[tuple[tuple[int, int], Any, int]] = []  # the accumulation window's batches
+        self._batch: Optional[list] = None  # several optimizers: [the batch's window, still ours to step]
         self._position: Optional[tuple[int, int]] = None
         self._schedulers: Optional[CommittedSchedulers] = None
         self._ft_devices: Optional[list[torch.device]] = None
-        self.committed_in_call = 0
-        self.recomputes = 0
-        self._job_done = False
+        self.committed_in_call = self.recomputes = 0
+        self._job_done = self._fit_started = self.stop_agreed = False
         self._steplog: Optional[StepLog] = None
         self._phase: dict[str, float] = {}
         self._ckpt: Any = None
-        self._fit_started = False
         self._reducer: Any = None
-        self.stop_agreed = False
-        self._train_data: Any = None
-        """(dataset, collate_fn) of the train loader: batch_policy "constant" builds absent slots'
-        batches from it by sample index."""
+        self._train_data: Any = None  # (dataset, collate_fn): batch_policy "constant" builds absent slots' batches
         self._extra_losses: list[float] = []
-        self._resume_point: Any = None
-        self._manual_clip: Any = None
-        """Manual optimization: `self.clip_gradients` deferred to the averaged gradients
-        (strategy/manual_clip.py)."""
-        """trainer.fit(ckpt_path=...): where the checkpoint puts the job (strategy/resume.py)."""
+        self._resume_point: Any = None  # fit(ckpt_path=...): where the checkpoint puts the job (resume.py)
+        self._manual_clip: Any = None  # manual optimization: clip_gradients on the averaged gradients
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
@@ -201,64 +164,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         startup.mark("script")
-        world = len(self.parallel_devices or [None])
-        self._data_parallel_size, self._tensor_parallel_size = world, 1
-        self.cfg = self.load_ft_config()
-        from lightning_ft.secret import SecretError, resolve
-
-        try:
-            self._secret = resolve(self.cfg.secret)
-        except SecretError as e:
-            raise FTHSDPError(f"strategy='ft_hsdp', replica {self.rid}: {e}") from None
-        if self._renv.launcher == "torchrun" and not dist.is_initialized():  # Lightning then keeps this group
-            from lightning_ft.launch.environment import init_torchrun_group
-
-            init_torchrun_group(self._renv, self._get_process_group_backend(),
-                                self._timeout.total_seconds() if self._timeout else 1800.0)
+        self._data_parallel_size, self._tensor_parallel_size = len(self.parallel_devices or [None]), 1
+        replica_start.load_config(self)
         super().setup_environment()
-        if self._module.trainer.state.fn == TrainerFn.FITTING and not self._fit_started:
-            self._fit_started = True
-            replica_start.exit_if_finished(self)
-        trainer: Any = self._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
-        if not self._renv.standby:  # a spare names them once promoted (`setup`)
-            lightning_compat.name_unversioned_loggers(trainer, f"replica_{self.rid}")  # each replica: its own directory
-        lightning_compat.save_cli_config_once(trainer, writer=self.rid == 0 and not self._renv.standby,
-                                              overwrite=self.incarnation > 0 or bool(os.environ.get("LFT_RESUME")))
-        if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
-            trainer.callbacks.append(FTMetrics(self))
-        stepping.route_should_stop(self, trainer)
-        from lightning_ft.callbacks.failure import FailureInjector
+        replica_start.install(self)
 
-        failures = self.cfg.failure
-        scheduled = failures.events or failures.mtbf_steps > 0 or failures.signal_exception
-        if scheduled and not any(isinstance(cb, FailureInjector) for cb in trainer.callbacks):
-            trainer.callbacks.append(FailureInjector())  # the job config schedules failures: inject them
-
-    # -- model: FSDP2 inside the replica ----------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
-        # ModelParallelStrategy.setup, without its demand that configure_model parallelizes.
-        from lightning_ft.strategy.sharding import ShardingError, auto_shard
-
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        try:
-            auto_shard(self._module, self.device_mesh["data_parallel"] if self.world_size > 1 else None,
-                       self.world_size, self.shard_layers)
-        except ShardingError as e:
-            raise FTHSDPError(str(e)) from None
-        assert self.model is not None
-        lightning_compat.materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
-            if self.mgr is None:
-                replica_start.start_replica(self, trainer)
+        replica_start.setup_model(self, trainer)  # FSDP2 inside the replica, then the replica layer
 
     # -- data: exactly-once batches -----------------------------------------------------------------
     @override
@@ -276,64 +189,35 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self.mgr is not None:
-            from lightning_ft.strategy.evaluation import sync_metrics
-
-            self._reducer.begin("sanity" if self._module.trainer.sanity_checking else "val")
-            sync_metrics(self._module, self._reducer)  # torchmetrics objects: over the whole set
+            evaluation.begin_validation(self)
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
         if self.mgr is not None:
-            self._reducer.end()
-            # The shards follow the live replicas, but Lightning keeps the loader (and its batch
-            # count) of the first validation: with fewer replicas it would stop each shard early
-            # and evaluate part of the set. Rebuild it at the next validation.
-            lightning_compat.rebuild_val_loader(self._module.trainer)
+            evaluation.end_validation(self)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Within the replica as ModelParallelStrategy does; during evaluation (logged metrics with
         `sync_dist=True`), also across the live replicas, so that every replica logs the same value."""
-        from lightning_ft.strategy.evaluation import op_name
-
         out = super().reduce(tensor, group=group, reduce_op=reduce_op)
         if self.mgr is not None and self._reducer.active and isinstance(out, torch.Tensor):
-            out = self._reducer.reduce(out, op_name(reduce_op))
+            out = self._reducer.reduce(out, evaluation.op_name(reduce_op))
         return out
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Over every rank of every live replica: EarlyStopping, ModelCheckpoint and friends
         decide the same on every replica at the same step."""
-        if self.mgr is None:
-            return super().reduce_boolean_decision(decision, all=all)
-        active = self._reducer.active
-        if not active:
-            self._reducer.begin("decide")
-        self._reducer.deciding = True
-        try:
-            return super().reduce_boolean_decision(decision, all=all)
-        finally:
-            self._reducer.deciding = False
-            if not active:
-                self._reducer.end()
+        ask = lambda: super(FTHSDPStrategy, self).reduce_boolean_decision(decision, all=all)  # noqa: E731
+        return ask() if self.mgr is None else evaluation.decide(self._reducer, ask)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.mgr is None:
-            return
-        if self.sampler is None or not self.sampler.tags:
-            raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
-                              "loader must be the one the strategy installs (no custom data fetching)")
-        self._window.append((self.sampler.tags.popleft(), batch, batch_idx))
-        self._position = self._window[-1][0][:2]
-        if (self.overlap and self._pending is None and len(self._window) == stepping.micro_batches(self)
-                and not self.mgr.multi):  # several optimizers: which one steps first is known at its step
-            # This batch's backward completes the step: run the quorum meanwhile and let the
-            # gradient hooks start the exchange.
-            self._pending = self.mgr.begin_step()
+        if self.mgr is not None:
+            stepping.batch_start(self, batch, batch_idx)
 
     # -- the step -----------------------------------------------------------------------------------
     @override
@@ -355,15 +239,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @property
     def is_checkpoint_writer(self) -> bool:
         """The lowest-id contributor of the last round writes (and prunes) checkpoints."""
-        plan = self.mgr.last_plan if self.mgr is not None else None
-        if plan is None:
+        if self.last is None:
             return self.mgr is None or self.rid == 0
-        return self.rid == min(plan.quorum.contributors)
+        return self.last.writer
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         if self.is_checkpoint_writer:
-            if self.mgr is not None and self.mgr.last_plan is not None and self.global_rank == 0:
+            if self.last is not None and self.last.role and self.global_rank == 0:
                 from lightning_ft.strategy.resume import KEY, describe
 
                 checkpoint[KEY] = describe(self.mgr)  # the job's data position, for fit(ckpt_path=...)
@@ -373,16 +256,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         """A `.ckpt` file (any strategy's, DDP's included) or a distributed checkpoint directory;
         under fit, the job then continues at its step (strategy/resume.py)."""
-        from lightning_ft.strategy.resume import ResumeError, load, point_of
+        from lightning_ft.strategy.resume import load_into
 
-        try:
-            checkpoint = load(self, checkpoint_path, weights_only,
-                              lambda: super(FTHSDPStrategy, self).load_checkpoint(checkpoint_path, weights_only))
-            if self.mgr is not None and self._module.trainer.state.fn == TrainerFn.FITTING:
-                self._resume_point = point_of(checkpoint, self.num_replicas, str(checkpoint_path))
-        except ResumeError as e:
-            raise FTHSDPError(str(e)) from None
-        return checkpoint
+        return load_into(self, checkpoint_path, weights_only,
+                         lambda: super(FTHSDPStrategy, self).load_checkpoint(checkpoint_path, weights_only))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,6 +1,7 @@
-"""The start of a replica under `FTHSDPStrategy` (docs/ARCHITECTURE.md, "Lightning glue"): a
-process that finds its job already finished leaves before any user hook (`exit_if_finished`,
-from `setup_environment`), and `start_replica` (from `setup`, once the optimizers exist)
+"""The start of a replica under `FTHSDPStrategy` (docs/ARCHITECTURE.md, "Lightning glue"):
+`load_config` and `install` around Lightning's `setup_environment`; a process that finds its job
+already finished leaves before any user hook (`exit_if_finished`, from `install`), and
+`setup_model` shards the model, then `start_replica` (once the optimizers exist)
 builds the replica layer: the ReplicaManager from the job config, its hooks into Lightning
 (committed schedulers, the loss scaler, clipping of a catch-up's gradients, callbacks' state),
 a `--resume` checkpoint, the cross-replica evaluation, persistent checkpoints and the run log.
@@ -25,6 +26,79 @@ from lightning_ft.strategy.schedulers import CommittedSchedulers
 
 if TYPE_CHECKING:
     from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
+
+
+def load_config(s: FTHSDPStrategy) -> None:
+    """`setup_environment`, before Lightning's: the job config, its secret, and under torchrun the
+    replica's process group (Lightning then keeps it)."""
+    from lightning_ft.secret import SecretError, resolve
+
+    s.cfg = s.load_ft_config()
+    try:
+        s._secret = resolve(s.cfg.secret)
+    except SecretError as e:
+        raise FTHSDPError(f"strategy='ft_hsdp', replica {s.rid}: {e}") from None
+    if s._renv.launcher == "torchrun" and not dist.is_initialized():
+        from lightning_ft.launch.environment import init_torchrun_group
+
+        init_torchrun_group(s._renv, s._get_process_group_backend(),
+                            s._timeout.total_seconds() if s._timeout else 1800.0)
+
+
+def install(s: FTHSDPStrategy) -> None:
+    """`setup_environment`, after Lightning's: a finished job's late replica leaves; each replica
+    logs into its own directory; the CLI config is written once; the metrics callback, the job's
+    stop decision and the config's failure injection are installed."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_ft.callbacks.failure import FailureInjector
+    from lightning_ft.strategy.runlog import FTMetrics
+
+    trainer: Any = s._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
+    if trainer.state.fn == TrainerFn.FITTING and not s._fit_started:
+        s._fit_started = True
+        exit_if_finished(s)
+    if not s._renv.standby:  # a spare names them once promoted (`setup`)
+        lightning_compat.name_unversioned_loggers(trainer, f"replica_{s.rid}")
+    lightning_compat.save_cli_config_once(trainer, writer=s.rid == 0 and not s._renv.standby,
+                                          overwrite=s.incarnation > 0 or bool(os.environ.get("LFT_RESUME")))
+    if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
+        trainer.callbacks.append(FTMetrics(s))
+    stepping.route_should_stop(s, trainer)
+    assert s.cfg is not None  # load_config
+    failures = s.cfg.failure
+    scheduled = failures.events or failures.mtbf_steps > 0 or failures.signal_exception
+    if scheduled and not any(isinstance(cb, FailureInjector) for cb in trainer.callbacks):
+        trainer.callbacks.append(FailureInjector())  # the job config schedules failures: inject them
+
+
+def setup_model(s: FTHSDPStrategy, trainer: Any) -> None:
+    """`setup`: ModelParallelStrategy's, without its demand that configure_model parallelizes
+    (FSDP2 is applied here when it did not), then the replica layer once the optimizers exist."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_ft.strategy.sharding import ShardingError, auto_shard
+
+    assert s.accelerator is not None
+    s.accelerator.setup(trainer)
+    try:
+        auto_shard(s._module, s.device_mesh["data_parallel"] if s.world_size > 1 else None,
+                   s.world_size, s.shard_layers)
+    except ShardingError as e:
+        raise FTHSDPError(str(e)) from None
+    assert s.model is not None
+    lightning_compat.materialize_distributed_module(s.model, s.root_device)
+    s.model = s.precision_plugin.convert_module(s.model)
+    s.model_to_device()
+    s.barrier()
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:
+        s.setup_optimizers(trainer)
+    s.setup_precision_plugin()
+    if fitting:
+        lightning_compat.optimizers_to_device(s.optimizers, s.root_device)
+        if s.mgr is None:
+            start_replica(s, trainer)
 
 
 def exit_if_finished(s: FTHSDPStrategy) -> None:

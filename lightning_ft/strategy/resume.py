@@ -166,3 +166,19 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
         print(f"lightning-ft: replica {mgr.rid} resumes at step {point.step} ({point.source} checkpoint; slot "
               f"cursor {mgr.cursor})", file=sys.stderr, flush=True)
     return True
+
+
+def load_into(s: Any, path: Any, weights_only: Optional[bool], sharded_load: Callable[[], dict]) -> dict:
+    """`load_checkpoint` of strategy `s`: the checkpoint into the replica (`load`); under fit, the
+    job then continues at its step (`s._resume_point`, begun in `on_train_start`)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_ft.strategy.errors import FTHSDPError
+
+    try:
+        checkpoint = load(s, path, weights_only, sharded_load)
+        if s.mgr is not None and s._module.trainer.state.fn == TrainerFn.FITTING:
+            s._resume_point = point_of(checkpoint, s.num_replicas, str(path))
+    except ResumeError as e:
+        raise FTHSDPError(str(e)) from None
+    return checkpoint

@@ -36,10 +36,24 @@ def on_train_start(s: FTHSDPStrategy) -> None:
             raise FTHSDPError(str(e)) from None
         s._resume_point = None
     t0 = time.perf_counter()
-    res = s.mgr.prepare()
-    set_lightning_step(s, s.mgr.step, in_batch=False)
+    res = s.last = s.mgr.prepare()
+    set_lightning_step(s, res.step, in_batch=False)
     if res.committed or res.synced:
         log_step(s, None, True, time.perf_counter() - t0)
+
+
+def batch_start(s: FTHSDPStrategy, batch: Any, batch_idx: int) -> None:
+    """`on_train_batch_start`: the exactly-once loader's tag of the batch joins the accumulation
+    window; the window's last batch starts the round (`begin_step`: its quorum overlaps
+    forward/backward, and backward hooks send gradient buckets)."""
+    if s.sampler is None or not s.sampler.tags:
+        raise FTHSDPError("ft_hsdp could not tell which batch of the exactly-once stream this is: the train "
+                          "loader must be the one the strategy installs (no custom data fetching)")
+    s._window.append((s.sampler.tags.popleft(), batch, batch_idx))
+    s._position = s._window[-1][0][:2]
+    if (s.overlap and s._pending is None and len(s._window) == micro_batches(s)
+            and not s.mgr.multi):  # several optimizers: which one steps first is known at its step
+        s._pending = s.mgr.begin_step()
 
 
 def optimizer_step(s: FTHSDPStrategy, optimizer: Any, closure: Callable[[], Any]) -> Any:
@@ -75,7 +89,7 @@ def optimizer_step(s: FTHSDPStrategy, optimizer: Any, closure: Callable[[], Any]
         lightning_compat.after_closure(s.precision_plugin, s.lightning_module, optimizer)
 
     s._extra_losses = []
-    res = s.mgr.run_step(lambda plan: closure(), batch=None if cont else k, pending=pending, computed=computed,
+    res = s.last = s.mgr.run_step(lambda plan: closure(), batch=None if cont else k, pending=pending, computed=computed,
                             loss=loss,
                             recompute=(lambda plan: recompute(s, window, closure, optimizer)) if auto else None,
                             after_exchange=after_exchange,
@@ -93,14 +107,13 @@ def optimizer_step(s: FTHSDPStrategy, optimizer: Any, closure: Callable[[], Any]
     if res.stale:  # a rewind moved the slot's cursor back: restart the loader there
         assert s.sampler is not None  # on_train_batch_start checked it
         s.sampler.restart()
-    plan = s.mgr.last_plan
-    if plan is not None and plan.quorum.stop and res.committed:
+    if res.stop:
         s.stop_agreed = True  # the job decided to stop at this step: every replica stops now
         s._module.trainer.should_stop = True
     if auto and not res.trained and not computed:  # Lightning still wants the closure's result
         closure()
         optimizer.zero_grad(set_to_none=True)
-    set_lightning_step(s, s.mgr.step - 1)  # Lightning adds the one it thinks it made
+    set_lightning_step(s, res.step - 1)  # Lightning adds the one it thinks it made
     if s._ckpt is not None:
         s._ckpt.maybe_save(s.lightning_module, s.mgr.optimizer, s._schedulers,
                               s.committed_in_call, s.global_rank)

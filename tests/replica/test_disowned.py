@@ -16,6 +16,7 @@ from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.manager import ReplicaManager
+from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.settings import Identity
 
 
@@ -25,7 +26,7 @@ def _manager(store: MemoryStore, hang_timeout_s: float) -> ReplicaManager:
                        store=store)
     m.coord = Coordinator(store, "j", 1, 0, JobSpec(2, 1, 0.1, {}), lease_ttl_s=0.3, hang_timeout_s=hang_timeout_s)
     m.coord.register(5, gen=0, synced=True)
-    m.root, m.step, m.gen, m.synced = m.coord.root, 6, 0, True
+    m.root, m.state = m.coord.root, ReplicaState(step=6, gen=0, synced=True)
     m._unrecorded.append((5, 0, 3, 0, {1: 7}))  # (step, epoch, round, gen, batches) of our last commit
     return m
 
