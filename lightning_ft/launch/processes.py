@@ -33,7 +33,7 @@ class Processes(SupervisorBase):
                 os.close(fd)
         rep.procs = []
         rep.host = self._wrap.format(rid=rep.rid) if self._wrap else ""
-        zygote = self._zygote if rep.incarnation > 0 and not rep.host else None
+        zygote = self._zygote if not rep.host else None  # forks once it is ready; else a new process
         for rank in range(rep.spec.nproc):
             path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
             try:

@@ -43,9 +43,11 @@ class Spares(Processes):
                 for rank in range(template.spec.nproc):
                     path = os.path.join(self.run_dir, "logs", f"spare-{token}.rank{rank}.log")
                     with open(path, "ab") as out:
-                        procs.append(subprocess.Popen(cmd, env=self._env(template, rank, port, spare=token),
-                                                      stdout=out, stderr=subprocess.STDOUT,
-                                                      stdin=subprocess.DEVNULL, start_new_session=True))
+                        env = self._env(template, rank, port, spare=token)
+                        forked = (self._zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno())
+                                  if self._zygote is not None and not host else None)
+                        procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                                stdin=subprocess.DEVNULL, start_new_session=True))
             except OSError as e:
                 for p in procs:
                     _signal(p, signal.SIGKILL)

@@ -9,7 +9,7 @@ import time
 
 from lightning_ft.coord.etcd_server import free_port
 from lightning_ft.coord.store import EtcdStore
-from tests.procs import alive, children
+from tests.procs import alive, children, descendants, replica_pid
 
 
 def test_lightning_ft_etcd_serves_and_stops_on_sigterm(procs):
@@ -61,7 +61,7 @@ def test_embedded_etcd_dies_with_a_sigkilled_launcher(tmp_path):
             etcd = [c for c in children(p.pid) if "etcd" in open(f"/proc/{c}/cmdline").read()]
             time.sleep(0.1)
         assert etcd, "the launcher started no etcd"
-        replicas = [c for c in children(p.pid) if c not in etcd]
+        replicas = [c for c in descendants(p.pid) if c not in etcd]  # the zygote's forks too
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 5
@@ -70,7 +70,7 @@ def test_embedded_etcd_dies_with_a_sigkilled_launcher(tmp_path):
         assert not alive(etcd[0])
     finally:
         p.kill()
-        for c in etcd + children(p.pid):
+        for c in etcd + descendants(p.pid):
             try:
                 os.kill(c, signal.SIGKILL)
             except OSError:
@@ -95,10 +95,11 @@ def test_sigterm_to_the_launcher_stops_replicas_and_etcd(tmp_path):
     kids = []
     try:
         deadline = time.monotonic() + 60
-        while len(kids) < 3 and time.monotonic() < deadline:
-            kids = children(p.pid)
+        started = lambda: all(replica_pid(str(tmp_path / "run"), rid, 0) for rid in (0, 1))  # noqa: E731
+        while not started() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(kids) >= 3, kids  # etcd + 2 replicas
+        kids = descendants(p.pid)  # etcd, the zygote and the replicas it forked (or started ones)
+        assert started() and len(kids) >= 3, kids
         time.sleep(1.0)
         p.send_signal(signal.SIGTERM)
         p.wait(30)

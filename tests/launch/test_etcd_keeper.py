@@ -29,7 +29,7 @@ from lightning_ft.constants import ExitCode
 from lightning_ft.replica.checkpoint import newest_valid, verify
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from tests.launch.test_cli import etcd_children, readline
-from tests.procs import alive, children
+from tests.procs import alive, descendants
 from tests.strategy.runs import run_root
 
 # TTL 3 s (the default): a 1 s TTL can lapse on a loaded machine at start-up, which is not what these test.
@@ -70,7 +70,7 @@ class Launcher:
         """If it still runs: SIGTERM (it stops its replicas and etcd), then SIGKILL what is left, by PID."""
         if self.proc.poll() is not None:
             return
-        kids = children(self.proc.pid)
+        kids = descendants(self.proc.pid)  # the zygote's forks too
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(30)

@@ -22,7 +22,7 @@ from lightning_ft.coord.addresses import decode_blocks
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.replica.data import read_cursors, verify_ledger
 from tests import netns
-from tests.procs import children
+from tests.procs import children, replica_pid
 from tests.strategy.runs import SCRIPT, run_root
 
 pytestmark = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
@@ -149,7 +149,7 @@ def test_torchrun_and_launcher_replicas_on_two_hosts_restart_catch_up_and_end_id
             wait_for(lambda: any(x["inc"] == 1 and x["role"] == "train" for x in rows(steps_a)), 240,
                      "replica 0 restarted by torchrun and training again", launchers)
             # then SIGKILL rank 1 of replica 1: the launcher restarts it
-            victim = rank_pid(run.pid, 1, 1)
+            victim = replica_pid(str(dir_b), 1, 1)  # forked by the launcher's zygote: from its events
             assert victim, "the launcher's rank-1 process not found"
             os.kill(victim, signal.SIGKILL)
             for p in launchers:

@@ -19,8 +19,8 @@ import pytest
 from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.replica.data import read_cursors, verify_ledger
-from tests.launch.test_multihost import clean_env, rank_pid, tail
-from tests.procs import alive, children
+from tests.launch.test_multihost import clean_env, tail
+from tests.procs import alive, descendants, replica_pid
 from tests.strategy.runs import run_root
 
 R, W, STEPS = 4, 8, 150
@@ -78,8 +78,8 @@ def test_four_replicas_of_eight_ranks_heal_a_killed_rank_and_end_identical(etcd_
 
     try:
         wait(lambda: trained(0, 0, 6), 480, "all 4 replicas training together")
-        victim = rank_pid(launcher.pid, 2, 5)
-        assert victim, "rank 5 of replica 2 not found among the launcher's children"
+        victim = replica_pid(run_dir, 2, 5)
+        assert victim, "rank 5 of replica 2 not found in the launcher's events"
         os.kill(victim, signal.SIGKILL)
         wait(lambda: any(i == 1 and r.get("event") == "step" and r["role"] == "train"
                          for i, r in leader_rows(run_dir, 2)), 300, "replica 2 restarted and training again")
@@ -90,7 +90,7 @@ def test_four_replicas_of_eight_ranks_heal_a_killed_rank_and_end_identical(etcd_
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(10)
-        for pid in children(launcher.pid):
+        for pid in descendants(launcher.pid):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 

@@ -17,7 +17,7 @@ import torch
 
 from lightning_ft.replica import checkpoint as ck
 from lightning_ft.replica.digest import state_digest
-from tests.procs import children
+from tests.procs import descendants
 from tests.strategy.runs import SCRIPT, lft_run, ok
 
 
@@ -41,9 +41,9 @@ def kill_job_after_checkpoint(cmd: list[str], root: str, step: int, timeout_s: f
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(os.path.join(ck.step_dir(root, step), "manifest.json")):
             assert time.monotonic() < deadline and p.poll() is None, f"no step-{step} checkpoint"
-            kids = children(p.pid) or kids
+            kids = descendants(p.pid) or kids
             time.sleep(0.05)
-        kids = children(p.pid) or kids
+        kids = descendants(p.pid) or kids
         for pid in [p.pid, *kids]:
             os.kill(pid, signal.SIGKILL)
     finally:
