@@ -24,7 +24,7 @@ from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import Store, store_from_config
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.group import ReplicaGroup
@@ -111,10 +111,10 @@ class ReplicaBase:
         """When the previous `run_step` / `prepare` returned: where the next step's compute starts."""
         self._t_ready: Optional[float] = None
         self._clean = True
-        self._ftar_kw: dict[str, Any] = dict(chunk_bytes=st.chunk_bytes, num_chunks=st.num_chunks,
-                                             timeout_s=st.ftar_timeout_s, connect_timeout_s=st.ftar_connect_timeout_s,
-                                             bind_host=st.bind_host, start_timeout_s=st.hang_timeout_s,
-                                             transport=st.transport)
+        self._ftar_settings = FTARSettings(chunk_bytes=st.chunk_bytes, num_chunks=st.num_chunks,
+                                           timeout_s=st.ftar_timeout_s, connect_timeout_s=st.ftar_connect_timeout_s,
+                                           bind_host=st.bind_host, start_timeout_s=st.hang_timeout_s,
+                                           transport=st.transport)
         self.digest_every, self.checkpoint_every = max(0, st.digest_every), max(0, st.checkpoint_every)
         self.checkpoint_root, self.run_dir = st.checkpoint_root, run_dir
         self.step = 0
@@ -241,7 +241,7 @@ class ReplicaBase:
         from lightning_ft import ops
 
         ops.set_num_programs(self.settings.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
-        self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
+        self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, self._ftar_settings)
         self._server = StateServer(self.secret.encode(), bind_host=st.bind_host, name=f"r{self.rid}/rank{self.rank}")
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
         addrs = self.group.gather(mine)
