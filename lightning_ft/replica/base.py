@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import Store, store_from_config
@@ -290,11 +290,11 @@ class ReplicaBase:
                            want=self.run_id, first=self.incarnation == 0)
             log.info("replica %d: %s", self.rid, run.reason)
             self.run_id, self.root = run.run_id, keys.root(self.prefix, self.job, run.run_id)
-            self.coord = Coordinator(self.store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
-                                     run=self.run_id, on_failure=self._on_failure, on_event=self.event,
-                                     lease_ttl_s=self.settings.lease_ttl_s,
-                                     hang_timeout_s=self.settings.hang_timeout_s,
-                                     poll_interval_s=self.settings.poll_interval_s)
+            self.coord = Coordinator(self.store, self.job, self.rid, self.incarnation, self.spec,
+                                     MembershipSettings(prefix=self.prefix, lease_ttl_s=self.settings.lease_ttl_s,
+                                                        hang_timeout_s=self.settings.hang_timeout_s,
+                                                        poll_interval_s=self.settings.poll_interval_s),
+                                     run=self.run_id, on_failure=self._on_failure, on_event=self.event)
             # A new process holds an initial state or the resume's checkpoint: both belong to the
             # ledger's newest generation.
             self.gen = ledger.latest_gen(self.store, self.root)
