@@ -260,13 +260,13 @@ class ReplicaBase:
         """A spare: wait (warm) until promoted, then become that replica's incarnation. The leader
         waits in etcd; with W ranks it hands the outcome on every `slice_s` (None: still
         waiting), so the replica's process group never sits in one collective for hours."""
-        from lightning_ft.coord.standby import Waiter
+        from lightning_ft.coord.standby import Waiter, WaiterSettings
 
         waiter = None
         if self.is_leader:
-            waiter = Waiter(self.store, self.prefix, self.job, secret_tag(self.secret, self.job),
-                            self.spec.fingerprint, self.standby, host=host, world=self.world, run_id=self.run_id,
-                            ttl_s=self.settings.lease_ttl_s)
+            waiter = Waiter(self.store, self.job, secret_tag(self.secret, self.job), self.spec.fingerprint,
+                            self.standby, WaiterSettings(prefix=self.prefix, ttl_s=self.settings.lease_ttl_s),
+                            host=host, world=self.world, run_id=self.run_id)
         try:
             while True:
                 got = self.group.leader_result(
