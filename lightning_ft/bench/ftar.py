@@ -40,14 +40,15 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], iters: int,
             transports: list[str]) -> None:
     import torch.distributed as dist
 
-    from lightning_ft.ftar.engine import FTAR
+    from lightning_ft.ftar.engine import FTAR, FTARSettings
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=__import__("datetime").timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     results = []
     for (S, C), transport in [(g, t) for t in transports for g in geoms]:
-        ftar = FTAR("bench", rank, 0, "bench-secret", chunk_bytes=S, num_chunks=C, timeout_s=30, transport=transport)
+        ftar = FTAR("bench", rank, 0, "bench-secret",
+                    FTARSettings(chunk_bytes=S, num_chunks=C, timeout_s=30, transport=transport))
         key = f"addr/{transport}/{S}/{C}"
         store.set(f"{key}/{rank}", ftar.address)
         addrs = [store.get(f"{key}/{r}").decode() for r in range(world)]

@@ -78,9 +78,9 @@ def kernels_correct() -> bool:
 
 
 def _ring(n: int, **kw) -> list:
-    from lightning_ft.ftar.engine import FTAR
+    from lightning_ft.ftar.engine import FTAR, FTARSettings
 
-    fs = [FTAR("gpu-check", r, 0, "gpu-check-secret", timeout_s=30, **kw) for r in range(n)]
+    fs = [FTAR("gpu-check", r, 0, "gpu-check-secret", FTARSettings(timeout_s=30, **kw)) for r in range(n)]
     addrs = [f.address for f in fs]
     ts = [threading.Thread(target=f.reconfigure, args=(1, addrs, i)) for i, f in enumerate(fs)]
     for t in ts:

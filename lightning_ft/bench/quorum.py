@@ -28,7 +28,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def worker(endpoint: str, job: str, rids: list[int], total: int, rounds: int) -> None:
-    from lightning_ft.coord.coordinator import Coordinator
+    from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
     from lightning_ft.coord.quorum import JobSpec
     from lightning_ft.coord.store import EtcdStore
 
@@ -37,7 +37,7 @@ def worker(endpoint: str, job: str, rids: list[int], total: int, rounds: int) ->
 
     def run(rid: int) -> None:
         store = EtcdStore(endpoint)
-        c = Coordinator(store, job, rid, 0, spec, lease_ttl_s=5.0, poll_interval_s=0.02)
+        c = Coordinator(store, job, rid, 0, spec, MembershipSettings(lease_ttl_s=5.0, poll_interval_s=0.02))
         c.register(0)
         step = 0
         for i in range(rounds + 1):

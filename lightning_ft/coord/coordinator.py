@@ -34,7 +34,8 @@ from typing import Any, Optional
 from . import keys
 from .quorum import (Decision, Halt, History, Quorum, Report, compute_quorum, decode_round, waiting_for)
 from .store import LeaseExpired, StoreError
-from lightning_ft.coord.membership import ConfigMismatch, Evicted, JobFinished, JobHalted, Membership, QuorumTimeout
+from lightning_ft.coord.membership import (ConfigMismatch, Evicted, JobFinished, JobHalted, Membership,
+                                           MembershipSettings, QuorumTimeout)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ KEEP_ROUNDS = 32
 """Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
 
 
-__all__ = ["ConfigMismatch", "Coordinator", "Evicted", "JobFinished", "JobHalted", "QuorumTimeout"]
+__all__ = ["ConfigMismatch", "Coordinator", "Evicted", "JobFinished", "JobHalted", "MembershipSettings",
+           "QuorumTimeout"]
 
 
 class Coordinator(Membership):

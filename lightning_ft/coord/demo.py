@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Optional
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, MembershipSettings
 from .quorum import JobSpec
 from .store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
@@ -49,8 +49,8 @@ def leader_main(argv: list[str]) -> int:
     spec = JobSpec(a.replicas, a.min_replicas, a.init_timeout,
                    {"job": a.job, "replicas": a.replicas, "nproc_per_replica": a.nproc})
     store = EtcdStore(a.etcd)
-    coord = Coordinator(store, a.job, a.rid, a.inc, spec, lease_ttl_s=a.ttl, hang_timeout_s=a.hang_timeout,
-                        poll_interval_s=0.02)
+    coord = Coordinator(store, a.job, a.rid, a.inc, spec,
+                        MembershipSettings(lease_ttl_s=a.ttl, hang_timeout_s=a.hang_timeout, poll_interval_s=0.02))
     step = 0
     coord.register(step, addrs=(f"127.0.0.1:{20000 + a.rid}",))
     emit({"event": "registered", "rid": a.rid, "inc": a.inc, "t": time.time()})

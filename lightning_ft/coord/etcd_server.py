@@ -105,34 +105,69 @@ class ServerTLS:
     client_ca: str = ""
 
 
+@dataclass(frozen=True)
+class EtcdServerOptions:
+    """How an `EtcdServer` member runs: its name in the cluster, the cluster it starts with,
+    durability and raft timing. The defaults are a lone test member's."""
+
+    name: str = "lft"
+    initial_cluster: Optional[str] = None
+    """`--initial-cluster` (name=peer URL, comma-separated); None: this member alone."""
+    cluster_token: str = "lft"
+    unsafe_no_fsync: bool = True
+    """`--unsafe-no-fsync`: fast, for tests; `lightning-ft etcd` turns it off."""
+    heartbeat_ms: int = 100
+    election_ms: int = 500
+    """etcd refuses an election timeout under 5 heartbeats (or over 50 s)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("an etcd member needs a name")
+        if self.heartbeat_ms <= 0:
+            raise ValueError(f"heartbeat_ms={self.heartbeat_ms} must be > 0")
+        if not 5 * self.heartbeat_ms <= self.election_ms <= 50_000:
+            raise ValueError(f"election_ms={self.election_ms} must be at least 5 heartbeats "
+                             f"(5 x heartbeat_ms={self.heartbeat_ms}) and at most 50000 (etcd refuses to start)")
+
+
 class EtcdServer:
     """One etcd member on `host`. Use as a context manager or start()/stop().
 
     `restart()` stops and starts the same member on the same ports and data dir, which is
-    how tests simulate an etcd restart without losing data."""
+    how tests simulate an etcd restart without losing data.
+
+    Args:
+        host: the address its client and peer ports listen on.
+        port: the client port (0: a free one, retried on fresh ones if taken at start).
+        data_dir: its data (None: a temporary directory, deleted by `cleanup`).
+        binary: the etcd executable (None: `find_etcd_binary()`).
+        log_path: where its output goes (None: `etcd.log` in `data_dir`).
+        peer_port: the peer port (0: a free one).
+        tls: serve https:// on the client port (`ServerTLS`); None: plaintext.
+        options: name, cluster, fsync and raft timing (`EtcdServerOptions`; None: the defaults).
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, data_dir: Optional[str] = None,
-                 binary: Optional[str] = None, log_path: Optional[str] = None, *, name: str = "lft",
-                 peer_port: int = 0, initial_cluster: Optional[str] = None, cluster_token: str = "lft",
-                 unsafe_no_fsync: bool = True, tls: Optional[ServerTLS] = None, heartbeat_ms: int = 100,
-                 election_ms: int = 500) -> None:
+                 binary: Optional[str] = None, log_path: Optional[str] = None, *, peer_port: int = 0,
+                 tls: Optional[ServerTLS] = None, options: Optional[EtcdServerOptions] = None) -> None:
+        self.options = opts = options or EtcdServerOptions()
         self.host = host
         # Ports we picked ourselves may be taken by someone else before etcd binds them (free_port
         # only asks the kernel for one that is free now): start() then retries on fresh ones.
-        self._picked_ports = not port and not peer_port and initial_cluster is None
+        self._picked_ports = not port and not peer_port and opts.initial_cluster is None
         self.port = port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.metrics_port = free_port("127.0.0.1")
         self.binary = binary or find_etcd_binary()
-        self.name = name
-        self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
-        self.cluster_token = cluster_token
-        self.unsafe_no_fsync = unsafe_no_fsync
+        self.name = opts.name
+        self.initial_cluster = opts.initial_cluster or f"{self.name}={self.peer_url}"
+        self.cluster_token = opts.cluster_token
+        self.unsafe_no_fsync = opts.unsafe_no_fsync
         self.tls = tls
         # A lone member elects itself, but raft still ticks every heartbeat: at 10/50 ms an idle
         # member burnt 20 ms of CPU a second (2 ms of every 100 ms training step), at 100/500 it
         # burns about 8, and it becomes leader about 0.4 s after it starts.
-        self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
+        self.heartbeat_ms, self.election_ms = opts.heartbeat_ms, opts.election_ms
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="lft-etcd-")
         self.created_data_dir = make_data_dir(self.data_dir)
@@ -306,16 +341,18 @@ class EtcdCluster:
         self.created_data_dir = make_data_dir(self.data_dir)
         binary = binary or find_etcd_binary()
         if members == 1:
-            self.servers = [EtcdServer(host, port, self.data_dir, binary, unsafe_no_fsync=unsafe_no_fsync, tls=tls)]
+            self.servers = [EtcdServer(host, port, self.data_dir, binary, tls=tls,
+                                       options=EtcdServerOptions(unsafe_no_fsync=unsafe_no_fsync))]
         else:
             ports = [(port + 2 * i, port + 2 * i + 1) if port else (free_port(host), free_port(host))
                      for i in range(members)]
             initial = ",".join(f"m{i}=http://{host}:{pp}" for i, (_, pp) in enumerate(ports))
             # Peers' beats: 50 ms; an election after 500 ms of silence, not sooner, so that a loaded
             # machine does not start spurious ones.
-            self.servers = [EtcdServer(host, cp, os.path.join(self.data_dir, f"m{i}"), binary, name=f"m{i}",
-                                       peer_port=pp, initial_cluster=initial, unsafe_no_fsync=unsafe_no_fsync,
-                                       tls=tls, heartbeat_ms=50, election_ms=500)
+            self.servers = [EtcdServer(host, cp, os.path.join(self.data_dir, f"m{i}"), binary, peer_port=pp, tls=tls,
+                                       options=EtcdServerOptions(name=f"m{i}", initial_cluster=initial,
+                                                                 unsafe_no_fsync=unsafe_no_fsync, heartbeat_ms=50,
+                                                                 election_ms=500))
                             for i, (cp, pp) in enumerate(ports)]
         self._restarts: dict[int, list[float]] = {}
 

@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 from . import keys
@@ -40,29 +40,63 @@ class JobHalted(RuntimeError):
     majority). The message says why and what to do."""
 
 
-class Membership:
-    """One per replica leader. Thread-safe where it says so; otherwise call from one thread."""
+@dataclass(frozen=True)
+class MembershipSettings:
+    """Where a job's keys live and a member's timing (the job config's `etcd.prefix`,
+    `etcd.lease_ttl_s`, `etcd.hang_timeout_s` and `quorum.poll_interval_s`)."""
 
-    def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec, *,
-                 prefix: str = "/lft", run: str = "", lease_ttl_s: float = 3.0, hang_timeout_s: float = 30.0,
-                 poll_interval_s: float = 0.05,
+    prefix: str = "/lft"
+    """The etcd prefix of every job (coord/keys.py)."""
+    lease_ttl_s: float = 3.0
+    """The member lease's TTL: a replica silent this long is failed by the others."""
+    hang_timeout_s: float = 30.0
+    """The keepalive stops when the training loop made no progress (`heartbeat`) this long."""
+    poll_interval_s: float = 0.05
+    """The wait between looks at etcd while a round is being decided."""
+
+    def __post_init__(self) -> None:
+        for name in ("lease_ttl_s", "hang_timeout_s", "poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"membership setting {name}={getattr(self, name)} must be > 0")
+
+
+class Membership:
+    """One per replica leader. Thread-safe where it says so; otherwise call from one thread.
+
+    Args:
+        store: the job's etcd (or a MemoryStore).
+        job: the job's name.
+        rid: this replica's id.
+        incarnation: this process's incarnation of the replica.
+        spec: what the job is (replicas, min_replicas, the config fingerprint, policies).
+        settings: the key prefix, lease TTL, hang timeout and poll interval (`MembershipSettings`;
+            None: the defaults).
+        run: the job's run id (coord/runs.py) whose keys it uses; "": the job's root.
+        on_failure: called as on_failure(rid, reason) when the watches see a member fail.
+        on_event: see `self.on_event`.
+        clock: the monotonic clock the hang timeout and round waits read (tests pass their own).
+    """
+
+    def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec,
+                 settings: Optional[MembershipSettings] = None, *, run: str = "",
                  on_failure: Optional[Callable[[int, str], None]] = None,
                  on_event: Optional[Callable[..., None]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = st = settings or MembershipSettings()
         self.store = store
         self.job = job
         self.rid = rid
         self.incarnation = incarnation
         self.spec = spec
-        self.lease_ttl_s = lease_ttl_s
-        self.hang_timeout_s = hang_timeout_s
-        self.poll_interval_s = poll_interval_s
+        self.lease_ttl_s = st.lease_ttl_s
+        self.hang_timeout_s = st.hang_timeout_s
+        self.poll_interval_s = st.poll_interval_s
         self.on_failure = on_failure
         self.on_event = on_event
         """Called by the deciding leader as on_event(name, **fields) for rewind, diverged, halt
         and exclusion decisions (the manager appends them to events.jsonl)."""
         self._clock = clock
-        self._root = keys.root(prefix, job, run)
+        self._root = keys.root(st.prefix, job, run)
         self._member_created = 0
         """Create revision of our members/ key: the fence of our ledger writes."""
         self._lease = 0
@@ -86,8 +120,8 @@ class Membership:
         self.changed = False
         """A watch saw a change since our last full-round report (failure, eviction, joiner, new
         incarnation, our lease lapsed): the next round must be a full round."""
-        self._slow_poll_s = max(poll_interval_s * 5, 0.25)
-        self._fallback_s = 2.0 * lease_ttl_s
+        self._slow_poll_s = max(st.poll_interval_s * 5, 0.25)
+        self._fallback_s = 2.0 * st.lease_ttl_s
         self._addr_blocks: list[bytes] = []
         self._world = 1
         self.book: Optional[AddressBook] = None

@@ -103,15 +103,46 @@ def promote(store: Store, root: str, token: str, rid: int, incarnation: int) -> 
     return store.create(keys.promote(root, token), json.dumps({"rid": rid, "incarnation": incarnation}).encode())
 
 
+@dataclass(frozen=True)
+class WaiterSettings:
+    """Where a spare looks for its job and its timing (a replica's `etcd.prefix` and `etcd.lease_ttl_s`)."""
+
+    prefix: str = "/lft"
+    """The etcd prefix of every job (coord/keys.py)."""
+    ttl_s: float = 3.0
+    """The TTL of the lease its `standby/` key is bound to (renewed every third of it while it waits)."""
+    poll_s: float = 0.05
+    """The wait between looks for the job's run before it is recorded."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_s", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"standby setting {name}={getattr(self, name)} must be > 0")
+
+
 class Waiter:
     """A spare leader's registration and wait (I/O). `wait` returns the Promotion; it raises
-    RunConflict (another job's secret), ConfigMismatch (another config) or JobFinished."""
+    RunConflict (another job's secret), ConfigMismatch (another config) or JobFinished.
 
-    def __init__(self, store: Store, prefix: str, job: str, tag: str, fingerprint: Mapping, token: str, *,
-                 host: str = "", world: int = 1, run_id: str = "", ttl_s: float = 3.0, poll_s: float = 0.05) -> None:
-        self.store, self.prefix, self.job, self.tag = store, prefix, job, tag
+    Args:
+        store: the job's etcd.
+        job: the job's name.
+        tag: the job secret's tag (secret.py): a run recorded with another is refused.
+        fingerprint: this spare's config fingerprint, checked against the job's.
+        token: the spare's token (`LFT_STANDBY`), unique in the job.
+        settings: the key prefix, lease TTL and poll interval (`WaiterSettings`; None: the defaults).
+        host: the host it runs on (`assign` prefers a spare on a vacated replica's host).
+        world: its ranks (only a spare of the job's replica size is assigned).
+        run_id: the run to wait in; "": the one the job records.
+    """
+
+    def __init__(self, store: Store, job: str, tag: str, fingerprint: Mapping, token: str,
+                 settings: Optional[WaiterSettings] = None, *, host: str = "", world: int = 1,
+                 run_id: str = "") -> None:
+        self.settings = st = settings or WaiterSettings()
+        self.store, self.prefix, self.job, self.tag = store, st.prefix, job, tag
         self.fingerprint, self.token, self.host, self.world = dict(fingerprint), token, host, world
-        self.run_id, self.ttl_s, self.poll_s = run_id, ttl_s, poll_s
+        self.run_id, self.ttl_s, self.poll_s = run_id, st.ttl_s, st.poll_s
         self._parent = os.getppid()
         """Its launcher: a spare whose launcher died is nobody's (it would wait until the job ends)."""
         self._promoted = threading.Event()

@@ -99,30 +99,70 @@ class Ring:
     """The rank we send to."""
 
 
-class FTAR:
-    """One rank's endpoint of the cross-replica ring for its local rank."""
+@dataclass(frozen=True)
+class FTARSettings:
+    """How an FTAR endpoint moves data and how long it waits (the job config's `ftar` section;
+    `network.bind_host`). Every replica of a job must use the same chunk geometry."""
 
-    def __init__(self, job: str, replica: int, rank: int, secret: bytes | str, *, chunk_bytes: int = 4 << 20,
-                 num_chunks: int = 4, timeout_s: float = 5.0, connect_timeout_s: float = 5.0,
-                 start_timeout_s: float = 300.0,
-                 transport: str = "tcp", bind_host: str = "127.0.0.1", staged: bool = False,
-                 device_staging: bool = False) -> None:
-        if chunk_bytes <= 0 or num_chunks <= 0:
-            raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} num_chunks={num_chunks}")
+    chunk_bytes: int = 4 << 20
+    """S: the bytes of one chunk (a multiple of 8)."""
+    num_chunks: int = 4
+    """C: the chunks in flight per link."""
+    timeout_s: float = 5.0
+    """Longest silence of a peer in the middle of an all-reduce."""
+    connect_timeout_s: float = 5.0
+    """Longest wait for the ring's links in `reconfigure` / `join`."""
+    start_timeout_s: float = 300.0
+    """Longest wait for the first chunk of an all-reduce (at least `timeout_s`)."""
+    transport: str = "tcp"
+    """`ftar.transport`: tcp, shm, rdma or auto (transport/)."""
+    bind_host: str = "127.0.0.1"
+    """Where the listener binds."""
+    staged: bool = False
+    """Force the staged (registered-slot) data path even on a zero-copy transport."""
+    device_staging: bool = False
+    """Force the device path on CPU tensors too (tests; docs/ARCHITECTURE.md, "The device data plane")."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.num_chunks <= 0:
+            raise FatalError(f"invalid FTAR geometry: chunk_bytes={self.chunk_bytes} num_chunks={self.num_chunks}")
+        if self.chunk_bytes % 8:
+            raise FatalError(f"invalid FTAR geometry: chunk_bytes={self.chunk_bytes} must be a multiple of 8")
+        for name in ("timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise FatalError(f"invalid FTAR setting: {name}={getattr(self, name)} must be > 0")
+        if self.start_timeout_s < 0:
+            raise FatalError(f"invalid FTAR setting: start_timeout_s={self.start_timeout_s} must be >= 0")
+
+
+class FTAR:
+    """One rank's endpoint of the cross-replica ring for its local rank.
+
+    Args:
+        job: the job's name (its hash goes into every handshake and chunk header).
+        replica: this rank's replica id.
+        rank: its local rank in the replica (the ring is the replicas' ranks of this local rank).
+        secret: the job secret the handshakes authenticate with.
+        settings: chunk geometry, timeouts, transport and data-path choices (default: `FTARSettings()`).
+    """
+
+    def __init__(self, job: str, replica: int, rank: int, secret: bytes | str,
+                 settings: Optional[FTARSettings] = None) -> None:
+        self.settings = st = settings or FTARSettings()
         secret_b = secret.encode() if isinstance(secret, str) else bytes(secret)
         self.ident = Identity(job, replica, rank, secret_b)
         self._job = job_hash(job)
-        self.S, self.C = chunk_bytes, num_chunks
-        self.timeout_s = timeout_s
+        self.S, self.C = st.chunk_bytes, st.num_chunks
+        self.timeout_s = st.timeout_s
         """Longest silence of a peer in the middle of an all-reduce."""
-        self.start_timeout_s = max(start_timeout_s, timeout_s)
+        self.start_timeout_s = max(st.start_timeout_s, st.timeout_s)
         """Longest wait for the first chunk of an all-reduce: peers may still be computing (a
         lagging replica calls in at once, contributors after their backward). Dead peers are
         caught sooner by closed connections and by the eviction watch's abort."""
-        self.connect_timeout_s = connect_timeout_s
-        self.staged = staged
+        self.connect_timeout_s = st.connect_timeout_s
+        self.staged = st.staged
         """Force the staged (registered-slot) data path even on a zero-copy transport."""
-        self.device_staging = device_staging
+        self.device_staging = st.device_staging
         """Force the device path (device staging slots, kernels, host bridge) for CPU tensors too:
         its logic testable without a GPU (tests; slower than the CPU path)."""
         self._staging: dict[torch.device, DeviceStaging] = {}
@@ -133,12 +173,10 @@ class FTAR:
         diagnosis reads from another thread (`links.snapshot()`)."""
         self._counted_links: Optional[tuple] = None
         """All-reduced tensors per data path ("cpu", "device"), for tests and reports."""
-        if chunk_bytes % 8:
-            raise FatalError(f"invalid FTAR geometry: chunk_bytes={chunk_bytes} must be a multiple of 8")
         # Send and receive slots (C or 2C of S bytes) are allocated and registered once by
         # each link kind, or per epoch where a stale writer must not reach them (shm, rdma).
         ctx = LinkContext(self.ident, self.S, self.C, self._mismatch)
-        self.transport = Endpoint(self.ident, bind_host, transport, ctx)
+        self.transport = Endpoint(self.ident, st.bind_host, st.transport, ctx)
         """Listener, handshakes and the current epoch's links (`ftar.transport`)."""
         self.transport.on_abort = self._remote_abort
         self._ring: Optional[Ring] = None

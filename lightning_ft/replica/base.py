@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import Store, store_from_config
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.group import ReplicaGroup
@@ -110,10 +110,10 @@ class ReplicaBase:
         """When the previous `run_step` / `prepare` returned: where the next step's compute starts."""
         self._t_ready: Optional[float] = None
         self._clean = True
-        self._ftar_kw: dict[str, Any] = dict(chunk_bytes=st.chunk_bytes, num_chunks=st.num_chunks,
-                                             timeout_s=st.ftar_timeout_s, connect_timeout_s=st.ftar_connect_timeout_s,
-                                             bind_host=st.bind_host, start_timeout_s=st.hang_timeout_s,
-                                             transport=st.transport)
+        self._ftar_settings = FTARSettings(chunk_bytes=st.chunk_bytes, num_chunks=st.num_chunks,
+                                           timeout_s=st.ftar_timeout_s, connect_timeout_s=st.ftar_connect_timeout_s,
+                                           bind_host=st.bind_host, start_timeout_s=st.hang_timeout_s,
+                                           transport=st.transport)
         self.digest_every, self.checkpoint_every = max(0, st.digest_every), max(0, st.checkpoint_every)
         self.checkpoint_root, self.run_dir = st.checkpoint_root, run_dir
         self.state = ReplicaState()
@@ -269,7 +269,7 @@ class ReplicaBase:
         from lightning_ft import ops
 
         ops.set_num_programs(self.settings.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
-        self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, **self._ftar_kw)
+        self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, self._ftar_settings)
         self._server = StateServer(self.secret.encode(), bind_host=st.bind_host, name=f"r{self.rid}/rank{self.rank}")
         mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
         addrs = self.group.gather(mine)
@@ -288,13 +288,13 @@ class ReplicaBase:
         """A spare: wait (warm) until promoted, then become that replica's incarnation. The leader
         waits in etcd; with W ranks it hands the outcome on every `slice_s` (None: still
         waiting), so the replica's process group never sits in one collective for hours."""
-        from lightning_ft.coord.standby import Waiter
+        from lightning_ft.coord.standby import Waiter, WaiterSettings
 
         waiter = None
         if self.is_leader:
-            waiter = Waiter(self.store, self.prefix, self.job, secret_tag(self.secret, self.job),
-                            self.spec.fingerprint, self.standby, host=host, world=self.world, run_id=self.run_id,
-                            ttl_s=self.settings.lease_ttl_s)
+            waiter = Waiter(self.store, self.job, secret_tag(self.secret, self.job), self.spec.fingerprint,
+                            self.standby, WaiterSettings(prefix=self.prefix, ttl_s=self.settings.lease_ttl_s),
+                            host=host, world=self.world, run_id=self.run_id)
         try:
             while True:
                 got = self.group.leader_result(
@@ -318,11 +318,11 @@ class ReplicaBase:
                            want=self.run_id, first=self.incarnation == 0)
             log.info("replica %d: %s", self.rid, run.reason)
             self.run_id, self.root = run.run_id, keys.root(self.prefix, self.job, run.run_id)
-            self.coord = Coordinator(self.store, self.job, self.rid, self.incarnation, self.spec, prefix=self.prefix,
-                                     run=self.run_id, on_failure=self._on_failure, on_event=self.event,
-                                     lease_ttl_s=self.settings.lease_ttl_s,
-                                     hang_timeout_s=self.settings.hang_timeout_s,
-                                     poll_interval_s=self.settings.poll_interval_s)
+            self.coord = Coordinator(self.store, self.job, self.rid, self.incarnation, self.spec,
+                                     MembershipSettings(prefix=self.prefix, lease_ttl_s=self.settings.lease_ttl_s,
+                                                        hang_timeout_s=self.settings.hang_timeout_s,
+                                                        poll_interval_s=self.settings.poll_interval_s),
+                                     run=self.run_id, on_failure=self._on_failure, on_event=self.event)
             # A new process holds an initial state or the resume's checkpoint: both belong to the
             # ledger's newest generation.
             self.gen = ledger.latest_gen(self.store, self.root)

@@ -96,7 +96,7 @@ def rank_addresses(world: int, port: int = 29500) -> tuple[str, ...]:
 
 
 def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
-    from lightning_ft.coord.coordinator import Coordinator
+    from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
     from lightning_ft.coord.quorum import JobSpec
     from lightning_ft.coord.store import EtcdStore, Store
     from lightning_ft.replica.data import record_commit
@@ -106,8 +106,9 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
     # CountingStore is a proxy: __getattr__ forwards the whole Store contract to the EtcdStore.
     store = cast(Store, counting)
     spec = JobSpec(replicas=R, min_replicas=R, init_timeout_s=120.0, fingerprint={"job": cfg["job"]})
-    c = Coordinator(store, cfg["job"], rid, 0, spec, prefix=PREFIX, lease_ttl_s=cfg["lease_ttl_s"],
-                    hang_timeout_s=3600.0, poll_interval_s=cfg["poll_s"])
+    c = Coordinator(store, cfg["job"], rid, 0, spec,
+                    MembershipSettings(prefix=PREFIX, lease_ttl_s=cfg["lease_ttl_s"], hang_timeout_s=3600.0,
+                                       poll_interval_s=cfg["poll_s"]))
     root = f"{PREFIX}/{cfg['job']}/"
     mine: dict[str, Any] = {"lat_ms": [], "ledger_ms": [], "resolve_ms": [], "decisions": []}
     out[rid] = mine

@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader
@@ -59,14 +60,45 @@ class _Tags(collections.deque):
         return self.taken
 
 
-class StreamLoader:
-    """One rank's exactly-once view of a stream loader (the strategy's `sampler`)."""
+@dataclass(frozen=True)
+class StreamPart:
+    """Which part of the stream one rank reads, and how its batches are counted: rank `rank` of
+    the `world` ranks of slot `slot` of `slots` (data_shards.py), `micro` micro-batches per slot
+    batch (gradient accumulation)."""
 
-    def __init__(self, loader: Any, *, slot: int, rank: int, world: int, slots: int, micro: int,
-                 cursor: Callable[[], int], files: Optional[StateFiles], state_every: int = 1,
-                 checkpoint_every: int = 0, say: Callable[[str], None] = print) -> None:
-        self.loader, self.slot, self.rank, self.world, self.slots = loader, slot, rank, world, slots
-        self.micro, self._cursor = micro, cursor
+    slot: int
+    rank: int
+    world: int
+    slots: int
+    micro: int
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.world < 1 or self.micro < 1:
+            raise ValueError(f"a stream part needs slots, world and micro >= 1, not slots={self.slots} "
+                             f"world={self.world} micro={self.micro}")
+        if not (0 <= self.slot < self.slots and 0 <= self.rank < self.world):
+            raise ValueError(f"slot {self.slot} of {self.slots}, rank {self.rank} of {self.world}: "
+                             f"out of range")
+
+
+class StreamLoader:
+    """One rank's exactly-once view of a stream loader (the strategy's `sampler`).
+
+    Args:
+        loader: the user's loader, already split to this rank's part (data_shards.shard).
+        part: this rank's slot and rank, and the micro-batches per slot batch (`StreamPart`).
+        cursor: the slot's cursor now (the next slot batch the trainer needs).
+        files: the loader-state files (None: states are kept in memory only).
+        state_every: write the state at steps divisible by this (0: at checkpoint steps only).
+        checkpoint_every: pin the state at these steps (checkpoint.every_n_steps; 0: none).
+        say: where messages to the user go.
+    """
+
+    def __init__(self, loader: Any, part: StreamPart, *, cursor: Callable[[], int], files: Optional[StateFiles],
+                 state_every: int = 1, checkpoint_every: int = 0, say: Callable[[str], None] = print) -> None:
+        self.loader, self.part = loader, part
+        self.slot, self.rank, self.world, self.slots = part.slot, part.rank, part.world, part.slots
+        self.micro, self._cursor = part.micro, cursor
         self.stateful = _stateful(loader)
         """False: at-least-once (`stream_loader` refuses such a loader unless data.exactly_once=false)."""
         self.files = files if self.stateful else None
@@ -242,8 +274,8 @@ def stream_loader(loader: DataLoader, *, cfg: Any, slot: int, rank: int, world: 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    out = StreamLoader(loader, slot=slot, rank=rank, world=world, slots=slots, micro=micro, cursor=cursor,
-                       files=files, state_every=int(cfg.data.state_every_n_steps),
+    out = StreamLoader(loader, StreamPart(slot, rank, world, slots, micro), cursor=cursor, files=files,
+                       state_every=int(cfg.data.state_every_n_steps),
                        checkpoint_every=int(cfg.checkpoint.every_n_steps), say=say)
     if rank == 0:
         if out.stateful:

@@ -13,7 +13,7 @@ from itertools import pairwise
 import pytest
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, QuorumTimeout
+from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, MembershipSettings, QuorumTimeout
 from lightning_ft.coord.demo import LeaderProc
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.store import EtcdStore, MemoryStore
@@ -171,7 +171,7 @@ def test_racing_leaders_never_produce_two_quorums_for_one_round(etcd_endpoint):
         try:
             time.sleep(delay_s)
             store = EtcdStore(etcd_endpoint)
-            c = Coordinator(store, job, rid, 0, spec, lease_ttl_s=1.0, poll_interval_s=0.01)
+            c = Coordinator(store, job, rid, 0, spec, MembershipSettings(lease_ttl_s=1.0, poll_interval_s=0.01))
             c.register(0)
             step = 0
             n = 0
@@ -227,9 +227,9 @@ def test_eviction_watch_calls_on_failure_for_a_current_member():
     s = MemoryStore()
     spec = JobSpec(2, 1, 5.0, {"job": "j"})
     failures = []
-    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1,
+    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=1),
                     on_failure=lambda r, why: failures.append((r, why, time.monotonic())))
-    b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=1)
+    b = Coordinator(s, "j", 1, 0, spec, MembershipSettings(lease_ttl_s=1))
     a.register(0)
     b.register(0)
     tb = threading.Thread(target=b.quorum, args=(0, 5))
@@ -246,7 +246,7 @@ def test_eviction_watch_calls_on_failure_for_a_current_member():
 def test_hung_training_loop_lets_the_lease_lapse():
     s = MemoryStore()
     spec = JobSpec(1, 1, 0.0, {"job": "j"})
-    c = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=0.3, hang_timeout_s=0.4)
+    c = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=0.3, hang_timeout_s=0.4))
     c.register(0)
     c.quorum(0, timeout_s=2)
     deadline = time.monotonic() + 0.4 + 0.3 + 1.0
@@ -261,7 +261,7 @@ def test_hung_training_loop_lets_the_lease_lapse():
 
 def test_below_min_replicas_times_out_with_the_reason():
     s = MemoryStore()
-    c = Coordinator(s, "j", 0, 0, JobSpec(3, 2, 0.0, {"job": "j"}), lease_ttl_s=1)
+    c = Coordinator(s, "j", 0, 0, JobSpec(3, 2, 0.0, {"job": "j"}), MembershipSettings(lease_ttl_s=1))
     c.register(0)
     with pytest.raises(QuorumTimeout, match="below min_replicas: 1 of 2 needed"):
         c.quorum(0, timeout_s=0.3)
@@ -290,8 +290,8 @@ def test_a_failed_steady_round_is_retracted_unless_it_was_recorded(recorded):
 
     s = MemoryStore()
     spec = JobSpec(2, 1, 5.0, {"job": "j"})
-    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=2)
-    b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=2)
+    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=2))
+    b = Coordinator(s, "j", 1, 0, spec, MembershipSettings(lease_ttl_s=2))
     try:
         for c in (a, b):
             c.register(0, synced=True)
@@ -322,8 +322,10 @@ def test_a_state_made_by_an_older_round_is_decided_stale_with_an_event():
     s = MemoryStore()
     spec = JobSpec(2, 1, 5.0, {"job": "j"})
     events = []
-    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1, on_event=lambda name, **f: events.append((name, f)))
-    b = Coordinator(s, "j", 1, 0, spec, lease_ttl_s=1, on_event=lambda name, **f: events.append((name, f)))
+    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=1),
+                    on_event=lambda name, **f: events.append((name, f)))
+    b = Coordinator(s, "j", 1, 0, spec, MembershipSettings(lease_ttl_s=1),
+                    on_event=lambda name, **f: events.append((name, f)))
     a.register(4, gen=0, synced=True, made=(5, 2))  # whoever decides round 0 sees both reports as made
     b.register(4, gen=0, synced=True, made=(3, 1))
     out = {}
@@ -364,7 +366,7 @@ def test_only_the_decider_receives_the_reports_and_it_evaluates_about_once_a_rou
     s = MemoryStore()
     spec = JobSpec(R, 1, 5.0, {"job": "j"})
     views = [_PerLeader(s) for _ in range(R)]
-    cs = [Coordinator(v, "j", rid, 0, spec, lease_ttl_s=5) for rid, v in enumerate(views)]
+    cs = [Coordinator(v, "j", rid, 0, spec, MembershipSettings(lease_ttl_s=5)) for rid, v in enumerate(views)]
     for rid, c in enumerate(cs):
         c.register(0, addrs=(f"h{rid}:1", f"h{rid}:2"), state_addrs=(f"h{rid}:3", f"h{rid}:4"))
     seen: dict[int, list] = collections.defaultdict(list)
@@ -406,7 +408,7 @@ def test_only_the_decider_receives_the_reports_and_it_evaluates_about_once_a_rou
 def test_a_new_decider_takes_over_the_reports_when_the_old_one_dies():
     s = MemoryStore()
     spec = JobSpec(3, 1, 5.0, {"job": "j"})
-    cs = [Coordinator(s, "j", rid, 0, spec, lease_ttl_s=5) for rid in range(3)]
+    cs = [Coordinator(s, "j", rid, 0, spec, MembershipSettings(lease_ttl_s=5)) for rid in range(3)]
     for c in cs:
         c.register(0)
     out = {}
@@ -437,9 +439,9 @@ def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded
 
     s = MemoryStore()
     spec = JobSpec(3, 1, 5.0, {"job": "j"})
-    a = Coordinator(s, "j", 0, 0, spec, lease_ttl_s=1)
-    b = Coordinator(s, "j", 2, 0, spec, lease_ttl_s=1)
-    j = Coordinator(s, "j", 1, 4, spec, lease_ttl_s=1)
+    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=1))
+    b = Coordinator(s, "j", 2, 0, spec, MembershipSettings(lease_ttl_s=1))
+    j = Coordinator(s, "j", 1, 4, spec, MembershipSettings(lease_ttl_s=1))
     try:
         for c in (a, b):
             c.register(0, synced=True)
@@ -466,3 +468,9 @@ def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded
         assert not j._own_report.joining
     finally:
         a.close(), b.close(), j.close(), s.close()
+
+
+@pytest.mark.parametrize("name", ["lease_ttl_s", "hang_timeout_s", "poll_interval_s"])
+def test_membership_settings_refuse_a_timing_that_is_not_positive(name):
+    with pytest.raises(ValueError, match=f"membership setting {name}=0 must be > 0"):
+        MembershipSettings(**{name: 0})

@@ -7,13 +7,13 @@ import signal
 
 import pytest
 
-from lightning_ft.coord.etcd_server import EtcdCluster, EtcdServer, make_data_dir
+from lightning_ft.coord.etcd_server import EtcdCluster, EtcdServer, EtcdServerOptions, make_data_dir
 from lightning_ft.coord.store import EtcdStore
 
 
 def test_fsync_is_skipped_only_when_asked(tmp_path):
     fast = EtcdServer(data_dir=str(tmp_path / "a"))
-    durable = EtcdServer(data_dir=str(tmp_path / "b"), unsafe_no_fsync=False)
+    durable = EtcdServer(data_dir=str(tmp_path / "b"), options=EtcdServerOptions(unsafe_no_fsync=False))
     assert "--unsafe-no-fsync" in fast._cmd()
     assert "--unsafe-no-fsync" not in durable._cmd()
 
@@ -97,3 +97,14 @@ def test_a_port_taken_before_etcd_binds_it_is_replaced_by_a_fresh_one(tmp_path, 
         given.cleanup()
     finally:
         thief.close()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(name=""), "needs a name"),
+    (dict(heartbeat_ms=0), "heartbeat_ms=0 must be > 0"),
+    (dict(heartbeat_ms=100, election_ms=400), "at least 5 heartbeats"),
+    (dict(election_ms=60_000), "at most 50000"),
+])
+def test_server_options_refuse_what_etcd_would_refuse_at_start(bad, match):
+    with pytest.raises(ValueError, match=match):
+        EtcdServerOptions(**bad)

@@ -11,7 +11,7 @@ import pytest
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import ConfigMismatch, JobFinished
 from lightning_ft.coord.runs import RunConflict, RunRecord
-from lightning_ft.coord.standby import Spare, Vacancy, Waiter, assign, promote, spares
+from lightning_ft.coord.standby import Spare, Vacancy, Waiter, WaiterSettings, assign, promote, spares
 from lightning_ft.coord.store import MemoryStore
 
 A, B = "host-a", "host-b"
@@ -63,7 +63,7 @@ def _job(store: MemoryStore, tag: str = "tag", run: str = "run0", fp: dict | Non
 def test_a_spare_registers_waits_and_takes_the_replica_it_is_given():
     store = MemoryStore()
     root = _job(store, fp={"replicas": 3})
-    w = Waiter(store, "/lft", "j", "tag", {"replicas": 3}, "s0", host=A, world=1, ttl_s=3.0)
+    w = Waiter(store, "j", "tag", {"replicas": 3}, "s0", WaiterSettings(prefix="/lft", ttl_s=3.0), host=A, world=1)
     assert w.wait(timeout_s=0.05) is None  # registered, not promoted yet
     (s,) = spares(store, root)
     assert (s.token, s.host, s.world) == ("s0", A, 1)
@@ -92,7 +92,7 @@ def test_a_spare_that_does_not_belong_is_refused_before_it_registers(case):
                 fp={"replicas": 4 if case == "config" else 3})
     if case == "finished":
         store.put(keys.finished(root), b'{"step": 10}')
-    w = Waiter(store, "/lft", "j", "tag", {"replicas": 3}, "s0")
+    w = Waiter(store, "j", "tag", {"replicas": 3}, "s0", WaiterSettings(prefix="/lft"))
     err = {"secret": RunConflict, "config": ConfigMismatch, "finished": JobFinished}[case]
     with pytest.raises(err):
         w.wait(timeout_s=0.1)
@@ -102,7 +102,7 @@ def test_a_spare_that_does_not_belong_is_refused_before_it_registers(case):
 def test_a_waiting_spare_notices_the_job_finish():
     store = MemoryStore()
     root = _job(store)
-    w = Waiter(store, "/lft", "j", "tag", {}, "s0", ttl_s=0.3)
+    w = Waiter(store, "j", "tag", {}, "s0", WaiterSettings(prefix="/lft", ttl_s=0.3))
     assert w.wait(timeout_s=0.05) is None
     store.put(keys.finished(root), b'{"step": 10}')
     with pytest.raises(JobFinished):
@@ -119,10 +119,17 @@ def test_a_spare_whose_launcher_died_stops_waiting(monkeypatch):
 
     store = MemoryStore()
     root = _job(store)
-    w = Waiter(store, "/lft", "j", "tag", {}, "s0", ttl_s=0.3)
+    w = Waiter(store, "j", "tag", {}, "s0", WaiterSettings(prefix="/lft", ttl_s=0.3))
     assert w.wait(timeout_s=0.05) is None
     monkeypatch.setattr(os, "getppid", lambda: 1)  # reparented to init
     with pytest.raises(LauncherGone, match="launcher"):
         w.wait(timeout_s=5)
     w.close()
     assert spares(store, root) == []
+
+
+def test_waiter_settings_refuse_a_timing_that_is_not_positive():
+    with pytest.raises(ValueError, match="standby setting ttl_s=0 must be > 0"):
+        WaiterSettings(ttl_s=0)
+    with pytest.raises(ValueError, match="standby setting poll_s=-1 must be > 0"):
+        WaiterSettings(poll_s=-1)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from worker import addrs_of, digest, emit  # noqa: E402
 
-from lightning_ft.ftar.engine import FTAR  # noqa: E402
+from lightning_ft.ftar.engine import FTAR, FTARSettings  # noqa: E402
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError  # noqa: E402
 
 CHUNK_BYTES, NUM_CHUNKS = 4096, 2
@@ -39,9 +39,10 @@ def inputs(rank: int, case: int, sizes, dtype) -> list[torch.Tensor]:
 
 
 def make(rank: int, timeout: float) -> FTAR:
-    return FTAR("devjob", rank, 0, "secret", chunk_bytes=CHUNK_BYTES, num_chunks=NUM_CHUNKS, timeout_s=timeout,
-                start_timeout_s=timeout * 3, connect_timeout_s=20, staged=os.environ.get("FTAR_STAGED") == "1",
-                device_staging=True)
+    return FTAR("devjob", rank, 0, "secret",
+                FTARSettings(chunk_bytes=CHUNK_BYTES, num_chunks=NUM_CHUNKS, timeout_s=timeout,
+                             start_timeout_s=timeout * 3, connect_timeout_s=20,
+                             staged=os.environ.get("FTAR_STAGED") == "1", device_staging=True))
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lightning_ft import ops
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.ftar.ring import chunks, partitions, schedule, segments
 from lightning_ft.ftar.transport.base import RecoverableError
 from lightning_ft.jsonlines import JsonLines
@@ -40,8 +40,8 @@ in_process = pytest.mark.skipif(INTERPRET, reason="in-process rings share the Tr
 
 
 def ring(n, **kw):
-    fs = [FTAR("devjob", r, 0, "secret", chunk_bytes=dw.CHUNK_BYTES, num_chunks=dw.NUM_CHUNKS, timeout_s=10,
-               **kw) for r in range(n)]
+    fs = [FTAR("devjob", r, 0, "secret", FTARSettings(chunk_bytes=dw.CHUNK_BYTES, num_chunks=dw.NUM_CHUNKS,
+                                                     timeout_s=10, **kw)) for r in range(n)]
     addrs = [f.address for f in fs]
     errors = []
 
@@ -190,7 +190,7 @@ def test_staging_is_allocated_once_and_reused_across_all_reduces_and_epochs():
 
 @in_process
 def test_single_member_ring_scales_on_the_device_path():
-    (f,) = [FTAR("j", 0, 0, "s", device_staging=True)]
+    (f,) = [FTAR("j", 0, 0, "s", FTARSettings(device_staging=True))]
     try:
         f.reconfigure(1, [f.address], 0)
         x = torch.full((5,), 4.0)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.jsonlines import JsonLines
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError
 from lightning_ft.ftar.transport.rdma import rdma_skip_reason
@@ -122,8 +122,8 @@ def test_sigstopped_peer_gives_recoverable_error_at_the_timeout(tmp_path, worker
 # -- in-process: several FTARs in one process, over real loopback sockets -----------------------
 
 def make_ring(n, epochs=None, secrets=None, jobs=None, transport="tcp", **kw):
-    fs = [FTAR((jobs or ["j"] * n)[r], r, 0, (secrets or ["s"] * n)[r], chunk_bytes=1 << 12, num_chunks=2,
-               transport=transport, **kw) for r in range(n)]
+    fs = [FTAR((jobs or ["j"] * n)[r], r, 0, (secrets or ["s"] * n)[r],
+               FTARSettings(chunk_bytes=1 << 12, num_chunks=2, transport=transport, **kw)) for r in range(n)]
     return fs
 
 
@@ -298,7 +298,7 @@ def test_replica_leader_can_abort_another_rank_of_its_replica():
     # Two rings of rank 1 (replicas 0 and 1); the leader (rank 0) of replica 0 aborts its rank 1.
     # Any member of the job may abort (steady rounds need it); a process without the job's
     # secret may not.
-    r1 = [FTAR("j", rid, 1, "s", chunk_bytes=1 << 12, num_chunks=2, timeout_s=30) for rid in range(2)]
+    r1 = [FTAR("j", rid, 1, "s", FTARSettings(chunk_bytes=1 << 12, num_chunks=2, timeout_s=30)) for rid in range(2)]
     leader = FTAR("j", 0, 0, "s")
     stranger = FTAR("j", 1, 0, "not the job's secret")
     try:
@@ -335,3 +335,16 @@ def test_first_chunk_waits_for_a_late_peer_but_later_silence_times_out(transport
         assert torch.equal(early.tensors[0], torch.full((50000,), 2.0))
     finally:
         close_all(fs)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(chunk_bytes=0), "chunk_bytes=0 num_chunks=4"),
+    (dict(num_chunks=0), "chunk_bytes=4194304 num_chunks=0"),
+    (dict(chunk_bytes=1001), "chunk_bytes=1001 must be a multiple of 8"),
+    (dict(timeout_s=0), "timeout_s=0 must be > 0"),
+    (dict(connect_timeout_s=-1), "connect_timeout_s=-1 must be > 0"),
+    (dict(start_timeout_s=-1), "start_timeout_s=-1 must be >= 0"),
+])
+def test_ftar_settings_refuse_impossible_values(bad, match):
+    with pytest.raises(FatalError, match=match):
+        FTARSettings(**bad)

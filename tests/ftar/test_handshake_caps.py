@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.ftar.transport import endpoint as tcp
 from lightning_ft.ftar.transport.base import mac
 
@@ -19,7 +19,8 @@ SECRET = "handshake-test-secret-0123"
 
 
 def _ftar(rid: int) -> FTAR:
-    return FTAR("job", rid, 0, SECRET, chunk_bytes=1 << 12, num_chunks=2, transport="tcp", connect_timeout_s=5.0)
+    return FTAR("job", rid, 0, SECRET, FTARSettings(chunk_bytes=1 << 12, num_chunks=2, transport="tcp",
+                                                connect_timeout_s=5.0))
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError
 
 
@@ -56,8 +56,9 @@ def main() -> int:
     victim = int(sys.argv[5]) if len(sys.argv) > 5 else -1
     timeout = float(os.environ.get("FTAR_TIMEOUT", "5"))
     # The configured timeout also bounds the wait for the first chunk (no eviction watch here).
-    f = FTAR("testjob", rank, 0, "secret", chunk_bytes=64 << 10, num_chunks=4, timeout_s=timeout,
-             start_timeout_s=timeout, connect_timeout_s=10, transport=os.environ.get("FTAR_TRANSPORT", "tcp"))
+    f = FTAR("testjob", rank, 0, "secret", FTARSettings(chunk_bytes=64 << 10, num_chunks=4, timeout_s=timeout,
+                                                       start_timeout_s=timeout, connect_timeout_s=10,
+                                                       transport=os.environ.get("FTAR_TRANSPORT", "tcp")))
     tmp = os.path.join(d, f"addr.{rank}.tmp")
     with open(tmp, "w") as fh:
         fh.write(f.address)

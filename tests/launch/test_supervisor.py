@@ -334,13 +334,13 @@ def _leaving_leader(path, tail: str, first_only: bool = False):
     exit 0 at once."""
     path.write_text(
         "import os, signal, time\n"
-        "from lightning_ft.coord.coordinator import Coordinator\n"
+        "from lightning_ft.coord.coordinator import Coordinator, MembershipSettings\n"
         "from lightning_ft.coord.quorum import JobSpec\n"
         "from lightning_ft.coord.store import EtcdStore\n"
         + ("if os.environ['LFT_INCARNATION'] != '0':\n    raise SystemExit(0)\n" if first_only else "")
         + "s = EtcdStore(os.environ['LFT_ETCD'])\n"
         "c = Coordinator(s, os.environ['LFT_JOB'], 0, int(os.environ['LFT_INCARNATION']), JobSpec(1, 1, 0.0, {}),\n"
-        "                run=os.environ['LFT_RUN_ID'], lease_ttl_s=1)\n"
+        "                MembershipSettings(lease_ttl_s=1), run=os.environ['LFT_RUN_ID'])\n"
         "c.register(0)\n"
         "time.sleep(1.0)\n"
         "c.close(revoke=True)\n" + tail)

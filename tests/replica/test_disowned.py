@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica import data as ledger
@@ -24,7 +24,8 @@ def _manager(store: MemoryStore, hang_timeout_s: float) -> ReplicaManager:
     model = torch.nn.Linear(4, 2)
     m = ReplicaManager(model, torch.optim.SGD(model.parameters(), lr=0.1), Identity("j", 1, 0, 2, "s" * 16),
                        store=store)
-    m.coord = Coordinator(store, "j", 1, 0, JobSpec(2, 1, 0.1, {}), lease_ttl_s=0.3, hang_timeout_s=hang_timeout_s)
+    m.coord = Coordinator(store, "j", 1, 0, JobSpec(2, 1, 0.1, {}),
+                          MembershipSettings(lease_ttl_s=0.3, hang_timeout_s=hang_timeout_s))
     m.coord.register(5, gen=0, synced=True)
     m.root, m.state = m.coord.root, ReplicaState(step=6, gen=0, synced=True)
     m._unrecorded.append((5, 0, 3, 0, {1: 7}))  # (step, epoch, round, gen, batches) of our last commit

@@ -10,7 +10,7 @@ from torch.utils.data import IterableDataset
 from lightning_ft.config import load_config
 from lightning_ft.replica.loader_state import StateFile, StateFiles
 from lightning_ft.strategy.data_shards import ShardedIterable, shard
-from lightning_ft.strategy.streaming import StreamDataError, StreamLoader, stream_loader
+from lightning_ft.strategy.streaming import StreamDataError, StreamLoader, StreamPart, stream_loader
 from tests.strategy.id_streams import IdStream, build_litdata, make_loader, reference
 
 
@@ -51,7 +51,7 @@ def loader(tmp_path, kind="torchdata", n=240, workers=2, slot=1, slots=3, micro=
     shard(dl, slot, 0, slots, 1, "processes")
     box = box if box is not None else [0]
     files = StateFiles(str(tmp_path / "states"), slot, 0, slots=slots, world=1)
-    return StreamLoader(dl, slot=slot, rank=0, world=1, slots=slots, micro=micro, cursor=lambda: box[0],
+    return StreamLoader(dl, StreamPart(slot, 0, 1, slots, micro), cursor=lambda: box[0],
                         files=files, state_every=state_every, checkpoint_every=ckpt_every,
                         say=say or (lambda m: None)), box
 
@@ -204,3 +204,14 @@ def test_data_config_knobs_are_checked():
         _cfg("data.shard=ranks")
     with pytest.raises(Exception, match="expects bool"):
         _cfg("data.exactly_once=3")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(slot=3, rank=0, world=1, slots=3, micro=1), "slot 3 of 3, rank 0 of 1: out of range"),
+    (dict(slot=0, rank=2, world=2, slots=3, micro=1), "slot 0 of 3, rank 2 of 2: out of range"),
+    (dict(slot=0, rank=0, world=1, slots=1, micro=0), "micro >= 1"),
+    (dict(slot=0, rank=0, world=0, slots=1, micro=1), "world=0"),
+])
+def test_stream_part_refuses_a_slot_or_rank_out_of_range(bad, match):
+    with pytest.raises(ValueError, match=match):
+        StreamPart(**bad)

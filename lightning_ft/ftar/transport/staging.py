@@ -20,7 +20,7 @@ ticket). At the end of an all-reduce (and on a failure) the stream is synchroniz
 finished Work's tensors are final for any stream.
 
 `DeviceStaging("cpu", ...)` runs the same logic on CPU tensors (plain copies, no stream,
-unpinned host slots): FTAR(device_staging=True) forces it, to test the device path on a
+unpinned host slots): FTARSettings(device_staging=True) forces it, to test the device path on a
 machine without a GPU, with the Triton kernels under TRITON_INTERPRET=1.
 """
 from __future__ import annotations

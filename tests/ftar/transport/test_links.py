@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError, allowed_kinds, choose_link, host_id
 
 
@@ -71,7 +71,8 @@ def _connect(fs):
 
 
 def _ring(transports, **kw):
-    return [FTAR("j", r, 0, "s", chunk_bytes=1 << 12, num_chunks=2, transport=t, connect_timeout_s=2.0, **kw)
+    return [FTAR("j", r, 0, "s", FTARSettings(chunk_bytes=1 << 12, num_chunks=2, transport=t, connect_timeout_s=2.0,
+                                              **kw))
             for r, t in enumerate(transports)]
 
 

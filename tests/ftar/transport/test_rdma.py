@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ft.ftar.engine import FTAR
+from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.ftar.transport import rdma
 from lightning_ft.ftar.transport.base import FatalError, RecoverableError
 
@@ -14,7 +14,7 @@ def test_rdma_without_a_device_fails_at_start_with_the_reason():
     if not rdma.rdma_skip_reason():
         pytest.skip("this host has an RDMA device: ftar.transport=rdma works here")
     with pytest.raises(FatalError) as e:
-        FTAR("j", 0, 0, "s", transport="rdma")
+        FTAR("j", 0, 0, "s", FTARSettings(transport="rdma"))
     assert str(e.value) == rdma.rdma_skip_reason()
     assert "ftar.transport=rdma needs" in str(e.value)
     assert not rdma.device_present()
