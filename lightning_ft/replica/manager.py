@@ -1,6 +1,6 @@
 """The per-step protocol of one replica rank, framework-free (docs/ARCHITECTURE.md, "A step").
 
-    mgr = ReplicaManager.from_config(model, optimizer, cfg, ...)   # after the slow init
+    mgr = ReplicaManager(model, optimizer, Identity(...), Settings.from_config(cfg), group=...)
     mgr.start()                         # FTAR + state server; the leader registers
     mgr.prepare()                       # sync / catch-up / rewind until this replica is current
     while mgr.step < max_steps:
@@ -38,13 +38,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-import torch
 
 from lightning_ft.coord.coordinator import JobFinished
 from lightning_ft.ftar.ring import neighbours
 from lightning_ft.ftar.transport.base import FTARError, FatalError
-from lightning_ft.replica.group import ReplicaGroup
-from lightning_ft.replica.settings import Identity, Settings
 from lightning_ft.replica import startup
 
 from lightning_ft.replica.base import ReplicaBase
@@ -60,17 +57,6 @@ log = logging.getLogger(__name__)
 
 class ReplicaManager(Rounds):
     """One per rank: the step (over rounds, sync, history and the base)."""
-
-    @classmethod
-    def from_config(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Any, *, job: str, rid: int,
-                    incarnation: int, num_replicas: int, secret: str, etcd: str, rank: int = 0, world: int = 1,
-                    pg: Any = None, scheduler: Any = None, run_dir: str = "", run_id: str = "", standby: str = "",
-                    **overrides: Any) -> "ReplicaManager":
-        """A manager from the job's FTConfig (lightning_ft.config): its sections, then `overrides`
-        (Settings fields)."""
-        who = Identity(job, rid, incarnation, num_replicas, secret, etcd, run_id=run_id, standby=standby)
-        return cls(model, optimizer, who, Settings.from_config(cfg, **overrides), group=ReplicaGroup(rank, world, pg),
-                   scheduler=scheduler, run_dir=run_dir)
 
     def set_scaler(self, scaler: Any) -> None:
         """Scale the loss with this `torch.amp.GradScaler` (the caller's backward multiplies the

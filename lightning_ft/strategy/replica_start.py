@@ -126,7 +126,9 @@ def exit_if_finished(s: FTHSDPStrategy) -> None:
 def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
     """Build and start the replica layer of strategy `s` (every rank; see the module docstring)."""
     from lightning_ft.config import checkpoint_dir
+    from lightning_ft.replica.group import ReplicaGroup
     from lightning_ft.replica.manager import ReplicaManager
+    from lightning_ft.replica.settings import Identity, Settings
 
     if len(s.optimizers) != 1 and (s._module.automatic_optimization or not s.optimizers):
         raise FTHSDPError(f"ft_hsdp steps one optimizer per batch under automatic optimization (several need "
@@ -148,12 +150,13 @@ def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
     from lightning_ft.replica.optimizers import OptimizerError
 
     try:  # several (manual optimization): every optimizer.step() is a round (quorum rule 15)
-        s.mgr = ReplicaManager.from_config(
-            # from_config's annotation says one Optimizer; the manager takes the list (replica/optimizers.py)
-            s._module, list(s.optimizers), cfg, job=s._renv.job, rid=s.rid,  # type: ignore[arg-type]
-            incarnation=s.incarnation, num_replicas=s.num_replicas, secret=s._secret,
-            etcd=s._renv.etcd, rank=s.global_rank, world=world, pg=pg, scheduler=s._schedulers,
-            run_dir=s._renv.run_dir, run_id=s._renv.run_id, standby=s._renv.standby)
+        env = s._renv
+        who = Identity(env.job, s.rid, s.incarnation, s.num_replicas, s._secret, env.etcd, run_id=env.run_id,
+                       standby=env.standby)
+        s.mgr = ReplicaManager(
+            # the annotation says one Optimizer; the manager takes the list (replica/optimizers.py)
+            s._module, list(s.optimizers), who, Settings.from_config(cfg),
+            group=ReplicaGroup(s.global_rank, world, pg), scheduler=s._schedulers, run_dir=env.run_dir)
     except OptimizerError as e:
         raise FTHSDPError(f"ft_hsdp: {e}") from None
     s.mgr.on_commit = functools.partial(stepping.on_commit, s)
