@@ -77,9 +77,9 @@ import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from lightning_ft.replica.catchup_server import StateServer
-from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, MAX_SKEW_S, RECV_CHUNK, SEND_CHUNK,
-                                               _LEN, CatchupError, Part, bytes_of, check_meta, pieces,
-                                               request_tag, response_macs, spec_of)
+from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, RECV_CHUNK, SEND_CHUNK, _LEN,
+                                               CatchupError, Part, bytes_of, check_layout, check_meta, pieces,
+                                               request_tag, response_macs, status_error)
 from lightning_ft.threads import Thread
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class _Fetch:
                                    f"healthy rank republished during the fetch); nothing was written — retry")
             if head.get("version") != self.version:
                 raise CatchupError(f"{self.where} failed: server sent version {head.get('version')}")
-            _check_layout(head, self.into, self.where)
+            check_layout(head["tensors"], self.into, self.where)
             meta = head.get("meta")
             if self.param_groups is not None:
                 meta = check_meta(meta, self.param_groups)
@@ -330,18 +330,7 @@ def _status_error(where: str, resp: _Body) -> CatchupError:
         body = json.loads(raw or b"{}")
     except (ValueError, OSError, CatchupError):
         body = {}
-    reason = body.get("error") or f"HTTP {resp.status}"
-    if resp.status == 401:
-        return CatchupError(f"{where} failed: authentication refused ({reason}); check that both replicas "
-                            f"use the same job secret and their clocks agree within {MAX_SKEW_S:.0f} s")
-    if resp.status == 409:
-        have = body.get("version")
-        return CatchupError(f"{where} failed: server has version {have}; the healthy replica moved on or has "
-                            f"not published this version yet — retry", 409, have if isinstance(have, int) else None)
-    if resp.status in (404, 410):
-        return CatchupError(f"{where} failed: {reason} (HTTP {resp.status}); the healthy replica is not "
-                            f"serving this version — retry in the next round", resp.status)
-    return CatchupError(f"{where} failed: HTTP {resp.status}: {reason}", resp.status)
+    return status_error(where, resp.status, body.get("error") or f"HTTP {resp.status}", body.get("version"))
 
 
 def _read_exact(resp: _Body, buf: memoryview, where: str, what: str, mac: Optional[Poly1305] = None) -> None:
@@ -371,20 +360,3 @@ def _read_header_bytes(resp: _Body, where: str) -> bytes:
     body = bytearray(hlen)
     _read_exact(resp, memoryview(body), where, "the header")
     return bytes(raw + body)
-
-
-def _check_layout(head: dict, into: dict[str, torch.Tensor], where: str) -> None:
-    """The server's tensor list must equal `into` (names, dtypes, shapes, in order)."""
-    theirs, ours = head["tensors"], [spec_of(n, t) for n, t in into.items()]
-    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):  # the lengths: after the loop
-        for key in ("name", "dtype", "shape"):
-            if a[key] != b[key]:
-                raise CatchupError(f"{where} failed: tensor #{i} {b['name']!r}: server has {key} {a[key]} but "
-                                   f"the local state has {b[key]}; both replicas must build the same model "
-                                   f"and sharding")
-    if len(theirs) != len(ours):
-        extra = (theirs if len(theirs) > len(ours) else ours)[min(len(theirs), len(ours))]["name"]
-        raise CatchupError(f"{where} failed: server has {len(theirs)} tensors, the local state {len(ours)} "
-                           f"(first unmatched: {extra!r}); both replicas must build the same model and sharding")
-
-
