@@ -98,7 +98,7 @@ def status_error(where: str, status: int, reason: str, version: object = None) -
     `version` it holds (its 409 says which)."""
     if status == 401:
         return CatchupError(f"{where} failed: authentication refused ({reason}); check that both replicas "
-                            f"use the same job secret and their clocks agree within {MAX_SKEW_S:.0f} s")
+                            f"use the same job secret and their clocks agree within {MAX_SKEW_S:.0f} s", 401)
     if status == 409:
         return CatchupError(f"{where} failed: server has version {version}; the healthy replica moved on or has "
                             f"not published this version yet — retry", 409,
