@@ -77,6 +77,7 @@ import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from lightning_ft.replica.catchup_server import StateServer
+from lightning_ft.replica.catchup_transport import CatchupTransport
 from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, RECV_CHUNK, SEND_CHUNK, _LEN,
                                                CatchupError, Part, bytes_of, check_layout, check_meta, pieces,
                                                request_tag, response_macs, status_error)
@@ -85,7 +86,8 @@ from lightning_ft.threads import Thread
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["CatchupError", "StateServer", "check_meta", "fetch_state", "SEND_CHUNK", "RECV_CHUNK", "STREAMS"]
+__all__ = ["CatchupError", "HTTPTransport", "StateServer", "check_meta", "fetch_state", "SEND_CHUNK", "RECV_CHUNK",
+           "STREAMS"]
 
 STREAMS = 4
 """Parts (parallel connections) of a fetch by default; see `fetch_state`."""
@@ -126,6 +128,41 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
     for name, t in device.items():
         t.copy_(staged[name])
     return out
+
+
+class HTTPTransport(CatchupTransport):
+    """The job's catch-up transport: a `StateServer` for this rank's state and `fetch_state`
+    for a peer's (the wire format: this module's docstring)."""
+
+    def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", name: str = "") -> None:
+        self._secret = bytes(secret)
+        self.server = StateServer(self._secret, bind_host=bind_host, name=name)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor], meta: dict,
+                expected: set[str] | frozenset[str] = frozenset()) -> None:
+        self.server.publish(version, tensors, meta, expected)
+
+    def freeze(self) -> float:
+        return self.server.freeze()
+
+    def retire(self) -> None:
+        self.server.retire()
+
+    def completed(self) -> set[str]:
+        return self.server.completed()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def fetch(self, address: str, version: int, into: dict[str, torch.Tensor], fetcher: str,
+              timeout_s: float = 30.0, param_groups: Optional[list[dict]] = None,
+              streams: Optional[int] = None) -> tuple[dict, dict]:
+        return fetch_state(address, version, into, self._secret, fetcher, timeout_s=timeout_s,
+                           param_groups=param_groups, streams=streams)
 
 
 class _Stream:
