@@ -1,5 +1,5 @@
 """The replica layer's base (docs/ARCHITECTURE.md, "The replica layer"): who this rank is, its
-parts (etcd store and coordinator on the leader, FTAR, the state server, the exchange buffers),
+parts (etcd store and coordinator on the leader, FTAR, the catch-up transport, the exchange buffers),
 opening them (`start`: a spare waits for its promotion, the leader registers), the event log,
 forwarding an eviction's abort to our ranks, and the queries every layer above asks.
 
@@ -33,7 +33,8 @@ from lightning_ft.replica.plan import StepPlan, StepStats
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.settings import Identity, Settings
 from lightning_ft.replica import startup
-from lightning_ft.replica.catchup import StateServer
+from lightning_ft.replica.catchup import HTTPTransport
+from lightning_ft.replica.catchup_transport import CatchupTransport, TransportFactory
 from lightning_ft.replica.optimizers import Optimizers
 from lightning_ft.replica.state import (materialize_optimizer_state,
                                         opt_params, param_layout, state_tensors)
@@ -57,10 +58,11 @@ class ReplicaBase:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, who: Identity, settings: Optional[Settings] = None, *,
                  group: Optional[ReplicaGroup] = None, scheduler: Any = None, store: Optional[Store] = None,
-                 run_dir: str = "") -> None:
+                 run_dir: str = "", catchup_transport: TransportFactory = HTTPTransport) -> None:
         """`who`: the replica; `settings`: the protocol's knobs (replica/settings.py); `group`: this
         replica's ranks (default: one rank); `store`: an open etcd client for the leader (default:
-        `start` opens one at `who.etcd`)."""
+        `start` opens one at `who.etcd`); `catchup_transport`: builds this rank's catch-up transport
+        in `start` (replica/catchup_transport.py; tests: `InMemoryTransport`)."""
         st = self.settings = settings or Settings()
         group = group or ReplicaGroup(0, 1, None)
         self.batch_policy = st.batch_policy
@@ -121,7 +123,8 @@ class ReplicaBase:
         replaced whole at each transition; `step`, `gen`, `synced`, `cursor` and `batches` read it."""
         self._coord: Optional[Coordinator] = None
         self._ftar: Optional[FTAR] = None
-        self._server: Optional[StateServer] = None
+        self._catchup_transport = catchup_transport
+        self._catchup: Optional[CatchupTransport] = None
         self._buckets: Optional[GradBuckets] = None
         self._epoch = -1
         self._rank_addrs: list[str] = []
@@ -229,12 +232,13 @@ class ReplicaBase:
         return _opened(self._ftar, "ftar")
 
     @property
-    def server(self) -> StateServer:
-        return _opened(self._server, "server (the state server)")
+    def catchup(self) -> CatchupTransport:
+        """This rank's catch-up transport: the server of its state and the client of the others'."""
+        return _opened(self._catchup, "catchup (the catch-up transport)")
 
-    @server.setter
-    def server(self, server: StateServer) -> None:
-        self._server = server
+    @catchup.setter
+    def catchup(self, transport: CatchupTransport) -> None:
+        self._catchup = transport
 
     @property
     def buckets(self) -> GradBuckets:
@@ -247,12 +251,12 @@ class ReplicaBase:
 
     @property
     def started(self) -> bool:
-        """`start` opened FTAR, the state server and the exchange buffers."""
-        return self._ftar is not None and self._server is not None and self._buckets is not None
+        """`start` opened FTAR, the catch-up transport and the exchange buffers."""
+        return self._ftar is not None and self._catchup is not None and self._buckets is not None
 
     # -- setup -----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Open FTAR and the state server; the leader registers with etcd. Do slow init first."""
+        """Open FTAR and the catch-up transport; the leader registers with etcd. Do slow init first."""
         from lightning_ft.network import advertised
 
         startup.mark("setup")
@@ -270,8 +274,8 @@ class ReplicaBase:
 
         ops.set_num_programs(self.settings.num_programs)  # the Triton kernels' grid on GPU (ftar.num_programs)
         self._ftar = FTAR(self.job, self.rid, self.rank, self.secret, self._ftar_settings)
-        self._server = StateServer(self.secret.encode(), bind_host=st.bind_host, name=f"r{self.rid}/rank{self.rank}")
-        mine = (_with_host(self.ftar.address, host), _with_host(self.server.address, host))
+        self._catchup = self._catchup_transport(self.secret.encode(), st.bind_host, f"r{self.rid}/rank{self.rank}")
+        mine = (_with_host(self.ftar.address, host), _with_host(self.catchup.address, host))
         addrs = self.group.gather(mine)
         self._rank_addrs = [a for a, _ in addrs]
         # One flat buffer per optimizer: a round exchanges the one it steps.

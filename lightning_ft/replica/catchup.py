@@ -77,15 +77,17 @@ import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from lightning_ft.replica.catchup_server import StateServer
-from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, MAX_SKEW_S, RECV_CHUNK, SEND_CHUNK,
-                                               _LEN, CatchupError, Part, bytes_of, check_meta, pieces,
-                                               request_tag, response_macs, spec_of)
+from lightning_ft.replica.catchup_transport import CatchupTransport
+from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, RECV_CHUNK, SEND_CHUNK, _LEN,
+                                               CatchupError, Part, bytes_of, check_layout, check_meta, pieces,
+                                               request_tag, response_macs, status_error)
 from lightning_ft.threads import Thread
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["CatchupError", "StateServer", "check_meta", "fetch_state", "SEND_CHUNK", "RECV_CHUNK", "STREAMS"]
+__all__ = ["CatchupError", "HTTPTransport", "StateServer", "check_meta", "fetch_state", "SEND_CHUNK", "RECV_CHUNK",
+           "STREAMS"]
 
 STREAMS = 4
 """Parts (parallel connections) of a fetch by default; see `fetch_state`."""
@@ -126,6 +128,41 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
     for name, t in device.items():
         t.copy_(staged[name])
     return out
+
+
+class HTTPTransport(CatchupTransport):
+    """The job's catch-up transport: a `StateServer` for this rank's state and `fetch_state`
+    for a peer's (the wire format: this module's docstring)."""
+
+    def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", name: str = "") -> None:
+        self._secret = bytes(secret)
+        self.server = StateServer(self._secret, bind_host=bind_host, name=name)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor], meta: dict,
+                expected: set[str] | frozenset[str] = frozenset()) -> None:
+        self.server.publish(version, tensors, meta, expected)
+
+    def freeze(self) -> float:
+        return self.server.freeze()
+
+    def retire(self) -> None:
+        self.server.retire()
+
+    def completed(self) -> set[str]:
+        return self.server.completed()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def fetch(self, address: str, version: int, into: dict[str, torch.Tensor], fetcher: str,
+              timeout_s: float = 30.0, param_groups: Optional[list[dict]] = None,
+              streams: Optional[int] = None) -> tuple[dict, dict]:
+        return fetch_state(address, version, into, self._secret, fetcher, timeout_s=timeout_s,
+                           param_groups=param_groups, streams=streams)
 
 
 class _Stream:
@@ -170,7 +207,7 @@ class _Fetch:
                                    f"healthy rank republished during the fetch); nothing was written — retry")
             if head.get("version") != self.version:
                 raise CatchupError(f"{self.where} failed: server sent version {head.get('version')}")
-            _check_layout(head, self.into, self.where)
+            check_layout(head["tensors"], self.into, self.where)
             meta = head.get("meta")
             if self.param_groups is not None:
                 meta = check_meta(meta, self.param_groups)
@@ -330,18 +367,7 @@ def _status_error(where: str, resp: _Body) -> CatchupError:
         body = json.loads(raw or b"{}")
     except (ValueError, OSError, CatchupError):
         body = {}
-    reason = body.get("error") or f"HTTP {resp.status}"
-    if resp.status == 401:
-        return CatchupError(f"{where} failed: authentication refused ({reason}); check that both replicas "
-                            f"use the same job secret and their clocks agree within {MAX_SKEW_S:.0f} s")
-    if resp.status == 409:
-        have = body.get("version")
-        return CatchupError(f"{where} failed: server has version {have}; the healthy replica moved on or has "
-                            f"not published this version yet — retry", 409, have if isinstance(have, int) else None)
-    if resp.status in (404, 410):
-        return CatchupError(f"{where} failed: {reason} (HTTP {resp.status}); the healthy replica is not "
-                            f"serving this version — retry in the next round", resp.status)
-    return CatchupError(f"{where} failed: HTTP {resp.status}: {reason}", resp.status)
+    return status_error(where, resp.status, body.get("error") or f"HTTP {resp.status}", body.get("version"))
 
 
 def _read_exact(resp: _Body, buf: memoryview, where: str, what: str, mac: Optional[Poly1305] = None) -> None:
@@ -371,20 +397,3 @@ def _read_header_bytes(resp: _Body, where: str) -> bytes:
     body = bytearray(hlen)
     _read_exact(resp, memoryview(body), where, "the header")
     return bytes(raw + body)
-
-
-def _check_layout(head: dict, into: dict[str, torch.Tensor], where: str) -> None:
-    """The server's tensor list must equal `into` (names, dtypes, shapes, in order)."""
-    theirs, ours = head["tensors"], [spec_of(n, t) for n, t in into.items()]
-    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):  # the lengths: after the loop
-        for key in ("name", "dtype", "shape"):
-            if a[key] != b[key]:
-                raise CatchupError(f"{where} failed: tensor #{i} {b['name']!r}: server has {key} {a[key]} but "
-                                   f"the local state has {b[key]}; both replicas must build the same model "
-                                   f"and sharding")
-    if len(theirs) != len(ours):
-        extra = (theirs if len(theirs) > len(ours) else ours)[min(len(theirs), len(ours))]["name"]
-        raise CatchupError(f"{where} failed: server has {len(theirs)} tensors, the local state {len(ours)} "
-                           f"(first unmatched: {extra!r}); both replicas must build the same model and sharding")
-
-

@@ -93,6 +93,37 @@ class CatchupError(RuntimeError):
                                       and self.server_version < version)
 
 
+def status_error(where: str, status: int, reason: str, version: object = None) -> CatchupError:
+    """The fetcher's error for a refusal: `status` (HTTP's), the server's `reason`, and the
+    `version` it holds (its 409 says which)."""
+    if status == 401:
+        return CatchupError(f"{where} failed: authentication refused ({reason}); check that both replicas "
+                            f"use the same job secret and their clocks agree within {MAX_SKEW_S:.0f} s", 401)
+    if status == 409:
+        return CatchupError(f"{where} failed: server has version {version}; the healthy replica moved on or has "
+                            f"not published this version yet — retry", 409,
+                            version if isinstance(version, int) else None)
+    if status in (404, 410):
+        return CatchupError(f"{where} failed: {reason} (HTTP {status}); the healthy replica is not "
+                            f"serving this version — retry in the next round", status)
+    return CatchupError(f"{where} failed: HTTP {status}: {reason}", status)
+
+
+def check_layout(theirs: list[dict], into: dict[str, torch.Tensor], where: str) -> None:
+    """The server's tensor list (`spec_of` each) must equal `into` (names, dtypes, shapes, in order)."""
+    ours = [spec_of(n, t) for n, t in into.items()]
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):  # the lengths: after the loop
+        for key in ("name", "dtype", "shape"):
+            if a[key] != b[key]:
+                raise CatchupError(f"{where} failed: tensor #{i} {b['name']!r}: server has {key} {a[key]} but "
+                                   f"the local state has {b[key]}; both replicas must build the same model "
+                                   f"and sharding")
+    if len(theirs) != len(ours):
+        extra = (theirs if len(theirs) > len(ours) else ours)[min(len(theirs), len(ours))]["name"]
+        raise CatchupError(f"{where} failed: server has {len(theirs)} tensors, the local state {len(ours)} "
+                           f"(first unmatched: {extra!r}); both replicas must build the same model and sharding")
+
+
 def request_tag(secret: bytes, version: int, fetcher: str, nonce: str, stamp: str, part: str = "") -> str:
     """The request tag; `part` ("{fetch id}|{i}/{n}", see `Part`) is bound into it when given."""
     msg = f"{version}|{fetcher}|{nonce}|{stamp}" + (f"|{part}" if part else "")

@@ -94,7 +94,7 @@ def finish(mgr: Any, linger_s: float) -> None:
     others = _others(mgr)
     if others and mgr.started:
         expected = {f"{r}/{k}" for r, _ in others for k in range(mgr.world)}
-        mgr.server.publish(mgr.step, mgr.state_tensors(), mgr._meta(), expected)
+        mgr.catchup.publish(mgr.step, mgr.state_tensors(), mgr._meta(), expected)
     if mgr.is_leader:
         store, root = mgr.store, mgr.root
         mgr.flush_ledger()

@@ -1,7 +1,7 @@
 """The per-step protocol of one replica rank, framework-free (docs/ARCHITECTURE.md, "A step").
 
     mgr = ReplicaManager(model, optimizer, Identity(...), Settings.from_config(cfg), group=...)
-    mgr.start()                         # FTAR + state server; the leader registers
+    mgr.start()                         # FTAR + catch-up transport; the leader registers
     mgr.prepare()                       # sync / catch-up / rewind until this replica is current
     while mgr.step < max_steps:
         res = mgr.run_step(compute)     # rounds until one commits a step this replica trained
@@ -335,7 +335,7 @@ class ReplicaManager(Rounds):
             self.scaler.unscale(opt)  # the contributors unscaled these averaged gradients too
         if plan.role == "catchup" and self.clip_catchup is not None:
             self.clip_catchup()  # the contributors clipped these averaged gradients too
-        self.stats.freeze_s = self.server.freeze()
+        self.stats.freeze_s = self.catchup.freeze()
         # fp16: an inf/NaN in the averaged gradients skips the step on every rank of every replica
         skip = self.scaler.overflowed(self.group.any) if self.scaler is not None else False
         if not skip:
@@ -387,7 +387,7 @@ class ReplicaManager(Rounds):
             self._coord.close(revoke=True)
         if self._ftar is not None:
             self._ftar.close()
-        if self._server is not None:
-            self._server.close()
+        if self._catchup is not None:
+            self._catchup.close()
         if self._store is not None and self._etcd:
             self._store.close()

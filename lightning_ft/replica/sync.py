@@ -14,7 +14,7 @@ import torch
 from lightning_ft.coord.quorum import Quorum
 from lightning_ft.replica import data as ledger
 from lightning_ft.replica import startup
-from lightning_ft.replica.catchup import CatchupError, fetch_state
+from lightning_ft.replica.catchup_wire import CatchupError
 from lightning_ft.replica.optimizers import unwrap
 from lightning_ft.replica.state import (materialize_optimizer_state)
 
@@ -32,7 +32,7 @@ class Sync(History):
         for lag in q.lagging:
             if q.contributors[(lag + self.rank) % len(q.contributors)] == self.rid:
                 expected.add(f"{lag}/{self.rank}")
-        self.server.publish(self.step, self.state_tensors(), self._meta(), expected)
+        self.catchup.publish(self.step, self.state_tensors(), self._meta(), expected)
 
     def _fetch(self, plan: StepPlan, deadline_s: float) -> int:
         """Fetch the state of version plan.step from our source into our tensors: OK, FAILED
@@ -62,9 +62,9 @@ class Sync(History):
         while True:
             try:
                 with torch.no_grad():
-                    meta, stats = fetch_state(addr, step, into, self.secret.encode(), f"{self.rid}/{self.rank}",
-                                              timeout_s=max(10.0, self.ftar.timeout_s * 2),
-                                              param_groups=self.optimizer.param_groups)
+                    meta, stats = self.catchup.fetch(addr, step, into, f"{self.rid}/{self.rank}",
+                                                     timeout_s=max(10.0, self.settings.ftar_timeout_s * 2),
+                                                     param_groups=self.optimizer.param_groups)
                 break
             except CatchupError as e:
                 # The source publishes right after it gets the same quorum (or, in a rewind, after

@@ -69,7 +69,7 @@ def test_a_commit_names_its_round_in_the_next_report():
 
     s = MemoryStore()
     m = _manager(s, hang_timeout_s=30.0)
-    m.server = _Server()
+    m.catchup = _Server()
     assert m._report_state()["made"] == (-1, -1)  # a fresh process: not known
     q = Quorum(round=12, epoch=4, members=(0, 1), incarnations=(0, 0), max_step=6, contributors=(0, 1), lagging=(),
                gen=0)
