@@ -105,9 +105,10 @@ class Job:
     """R replicas x W ranks of the plain loop against one etcd."""
 
     def __init__(self, etcd: str, tmp: str, R: int = 3, world: int = 1, args: tuple[str, ...] = (),
-                 extra: Optional[dict] = None, env: Optional[dict] = None) -> None:
+                 extra: Optional[dict] = None, env: Optional[dict] = None, zygote: Optional[Zygote] = None) -> None:
         """`extra[(rid, inc)]`: more arguments for that incarnation; `env[(rid, inc)]`: more
-        environment (e.g. another LFT_SECRET)."""
+        environment (e.g. another LFT_SECRET); `zygote`: a ready zygote that replicas are forked
+        from unless `start(..., forked=False)` (as `lightning-ft run` does; the caller owns it)."""
         self.etcd, self.R, self.world = etcd, R, world
         self.name = "t" + uuid.uuid4().hex[:8]
         self.args = list(args)
@@ -120,7 +121,8 @@ class Job:
         self.store = EtcdStore(etcd)
         self.run_id = "run0"
         self.root = keys.root("/lft", self.name, self.run_id)
-        self.zygote: Optional[Zygote] = None
+        self.zygote: Optional[Zygote] = zygote
+        self._own_zygote = False
 
     def open_zygote(self, timeout_s: float) -> float:
         """Start a zygote (launch/zygote.py) that has imported what `lightning-ft run`'s would for
@@ -128,12 +130,16 @@ class Job:
         its imports took."""
         self.zygote = Zygote(default_preload(python_target([sys.executable, LOOP])),
                              log_path=os.path.join(self.log_dir, "zygote.log"))
+        self._own_zygote = True
         assert self.zygote.ready.wait(timeout_s), f"the zygote was not ready within {timeout_s}s; see {self.log_dir}"
         return float(self.zygote.preloaded_s or 0.0)
 
-    def start(self, rid: int, inc: int = 0, forked: bool = False) -> Replica:
-        """Replica `rid`'s incarnation `inc`; `forked`: from the zygote (`open_zygote` first)."""
+    def start(self, rid: int, inc: int = 0, forked: Optional[bool] = None) -> Replica:
+        """Replica `rid`'s incarnation `inc`; `forked`: from the zygote (`open_zygote` first, or
+        one given to the job); None: forked when the job has a ready zygote, else new processes."""
         assert not forked or self.zygote is not None, "open_zygote() first"
+        if forked is None:
+            forked = self.zygote is not None and self.zygote.ready.is_set()
         r = Replica(self, rid, inc, zygote=self.zygote if forked else None)
         self.replicas[rid] = r
         self.history.append(r)
@@ -194,6 +200,6 @@ class Job:
     def close(self) -> None:
         for r in self.history:
             r.kill()
-        if self.zygote is not None:
+        if self.zygote is not None and self._own_zygote:
             self.zygote.close()
         self.store.close()

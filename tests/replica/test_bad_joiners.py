@@ -27,10 +27,11 @@ def last_error(job: Job, rid: int, inc: int) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_bad_joiners_are_refused_by_field_and_healthy_replicas_keep_committing(etcd_endpoint, tmp_path):
+def test_bad_joiners_are_refused_by_field_and_healthy_replicas_keep_committing(etcd_endpoint, tmp_path,
+                                                                              plain_loop_zygote):
     assert TEST_SECRET not in BAD[0][1]["LFT_SECRET"]
     job = Job(etcd_endpoint, tmp_path, R=3, args=ARGS, extra={(2, i): list(a) for i, (a, _, _) in BAD.items()},
-              env={(2, i): e for i, (_, e, _) in BAD.items()})
+              env={(2, i): e for i, (_, e, _) in BAD.items()}, zygote=plain_loop_zygote)
     try:
         job.start(0)
         job.start(1)

@@ -43,14 +43,15 @@ def test_the_finishers_view_of_etcd_leaves_out_evicted_incarnations():
     assert read_finished(store, root) == {"step": 30, "rid": 0, "incarnation": 0}
 
 
-def test_members_that_fail_to_commit_the_last_step_end_at_it_with_the_finishers_state(etcd_endpoint, tmp_path):
+def test_members_that_fail_to_commit_the_last_step_end_at_it_with_the_finishers_state(etcd_endpoint, tmp_path,
+                                                                                     plain_loop_zygote):
     """CI saw it in a soak: the last step committed on replica 2 only (replicas 0 and 1 aborted
     it), replica 2 finished, and 0 and 1 left at step 1199 of 1200 without the final state.
     Here 0 and 1 vote 'failed' after the last step's exchange while 2 commits it."""
     steps = 30
     job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", str(steps), "--fail-commit-at", str(steps - 1),
                                                      "--fail-replicas", "0,1"),
-              env={(r, 0): {"LFT_RUN_DIR": str(tmp_path)} for r in range(3)})
+              env={(r, 0): {"LFT_RUN_DIR": str(tmp_path)} for r in range(3)}, zygote=plain_loop_zygote)
     try:
         job.start_all()
         job.wait_done(120)

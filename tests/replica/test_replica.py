@@ -94,7 +94,7 @@ def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_u
     job.replicas[1].kill()  # the supervisor kills the rest of the replica
     job.evict(1, "rank 0 exited with -9")  # and writes the eviction at once
     time.sleep(1.0)
-    job.start(1, inc=1)
+    job.start(1, inc=1, forked=False)  # a cold start: its breakdown has the python and torch parts
     job.wait_done(240)
     survivors = [job.replicas[0], job.replicas[2]]
     for r in survivors:

@@ -26,11 +26,12 @@ straggler's pace) and the doubled second probation; 6 s ended inside the return 
 
 
 @pytest.mark.timeout(300)
-def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identical(etcd_endpoint, tmp_path):
+def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identical(etcd_endpoint, tmp_path,
+                                                                                     plain_loop_zygote):
     run_dir = str(tmp_path)
     job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", STEPS, "--step-sleep", "0.01",
                                                      "--set", "stragglers.policy=exclude"),
-              env={(r, 0): {"LFT_RUN_DIR": run_dir} for r in range(3)})
+              env={(r, 0): {"LFT_RUN_DIR": run_dir} for r in range(3)}, zygote=plain_loop_zygote)
     release = threading.Event()
     try:
         job.start_all()
