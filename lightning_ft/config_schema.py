@@ -148,9 +148,10 @@ class SupervisorConfig:
     up to the strategy's setup and waits; a failed replica's restart takes one (healing in a
     fraction of a second instead of a cold start) and a new spare is started in its place."""
     zygote: bool = True
-    """Restart replicas by forking a process that imported torch (and Lightning) once
-    (launch/zygote.py), instead of starting Python afresh: a cold restart without seconds of
-    imports. Only for `python script.py` commands outside a per-replica wrap."""
+    """Start, restart and keep warm spares by forking a process that imported torch (and
+    Lightning) once (launch/zygote.py), instead of starting Python afresh: the job imports once,
+    and a cold restart has no seconds of imports. Only for `python script.py` commands outside a
+    per-replica wrap."""
 
 
 @dataclass

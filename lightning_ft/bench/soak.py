@@ -346,10 +346,10 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
     keep_dir = ""
     run_dir = a.keep or os.path.join(tmp, "run")
     os.makedirs(run_dir, exist_ok=True)
-    if not a.steps:  # 10-20 steps a second here, a fault every ~10 s (each waits for a commit after the last):
-        # generous, so that every planned fault lands before the fault-free tail (a 100-fault run at 5x
-        # stopped at 92); the job trains the rest fault-free and stops at the end anyway
-        a.steps = int(a.faults * (a.every_s + 15) * 8 + 1000)
+    if not a.steps:  # up to 40 steps a second here (restarts fork from the zygote), a fault every ~7 s:
+        # generous, so that every planned fault lands before the fault-free tail (at 8 steps per second
+        # of the plan, a 100-fault run stopped at 54); the job trains the rest fault-free
+        a.steps = int(a.faults * (a.every_s + 15) * 20 + 1000)
     net = None
     if "link" in kinds:
         net = netns.Net()

@@ -64,7 +64,8 @@ class SupervisorSettings:
     standby: int = 0
     """Warm spares to keep (launch/spares.py)."""
     zygote: bool = False
-    """Restarts fork from a process that imported torch (and Lightning) once (launch/zygote.py)
+    """Replicas (first starts, restarts, spares) fork from a process that imported torch (and
+    Lightning) once (launch/zygote.py)
     instead of starting Python afresh; only for `[python, script, ...]` (or `-m module`)
     commands without a `wrap`. Anything it cannot do starts as before."""
     checkpoint_root: str = ""
