@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from lightning_ft.coord.etcd_server import free_port
-from lightning_ft.launch.zygote import ZygoteProc
+from lightning_ft.launch.zygote import Proc, ZygoteProc
 
 from lightning_ft.launch.records import _Replica
 from lightning_ft.launch.supervisor_base import TERM_GRACE_S, SupervisorBase, _peek, _signal, _wait
@@ -33,16 +33,10 @@ class Processes(SupervisorBase):
                 os.close(fd)
         rep.procs = []
         rep.host = self._wrap.format(rid=rep.rid) if self._wrap else ""
-        zygote = self._zygote if not rep.host else None  # forks once it is ready; else a new process
         for rank in range(rep.spec.nproc):
             path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
             try:
-                with open(path, "ab") as out:
-                    env = self._env(rep, rank, port)
-                    forked = zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno()) if zygote else None
-                    cmd = shlex.split(rep.host) + self.cmd if rep.host else self.cmd
-                    rep.procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                                stdin=subprocess.DEVNULL, start_new_session=True))
+                rep.procs.append(self._start_process(self._env(rep, rank, port), path, rep.host))
             except OSError as e:
                 for p in rep.procs:
                     _signal(p, signal.SIGKILL)
@@ -50,6 +44,17 @@ class Processes(SupervisorBase):
                 raise RuntimeError(f"cannot start replica {rep.rid} rank {rank} ({self.cmd[0]!r}): {e}. "
                                    "Check the command and that the run directory is writable.") from e
         self._running(rep, port)
+
+    def _start_process(self, env: dict[str, str], log_path: str, host: str) -> Proc:
+        """One process of the command with `env`, its output appended to `log_path`: forked by the
+        zygote when there is one and it is ready (never under a per-replica `host` wrap), else a
+        new process in its own session (through `host`'s wrap, if any)."""
+        with open(log_path, "ab") as out:
+            forked = (self._zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno())
+                      if self._zygote is not None and not host else None)
+            cmd = shlex.split(host) + self.cmd if host else self.cmd
+            return forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _running(self, rep: _Replica, port: int, **more: Any) -> None:
         """Bookkeeping of a replica whose processes (`rep.procs`) were just started or promoted."""

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
-import subprocess
 import time
 
 from lightning_ft.coord.store import StoreError
@@ -36,18 +34,12 @@ class Spares(Processes):
             ids = sorted(self._replicas)
             template = self._replicas[ids[self._spare_seq % len(ids)]]  # placed beside replicas in turn
             host = self._wrap.format(rid=template.rid) if self._wrap else ""
-            cmd = shlex.split(host) + self.cmd if host else self.cmd
             port = self._free_port()
             procs: list[Proc] = []
             try:
                 for rank in range(template.spec.nproc):
                     path = os.path.join(self.run_dir, "logs", f"spare-{token}.rank{rank}.log")
-                    with open(path, "ab") as out:
-                        env = self._env(template, rank, port, spare=token)
-                        forked = (self._zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno())
-                                  if self._zygote is not None and not host else None)
-                        procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                                stdin=subprocess.DEVNULL, start_new_session=True))
+                    procs.append(self._start_process(self._env(template, rank, port, spare=token), path, host))
             except OSError as e:
                 for p in procs:
                     _signal(p, signal.SIGKILL)
