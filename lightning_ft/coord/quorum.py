@@ -54,11 +54,12 @@ Rules, in order:
    (`slot_cursors`): contributors' as reported, the others' from the ledger (History), so
    that contributors train the absent slots too (replica/batch_policy.py).
 14. Stragglers (after rule 5, coord/stragglers.py): a member whose reported compute time is
-   `JobSpec.straggler_threshold` times the median of the others' is a straggler
-   (`Decision.stragglers`). Under policy "exclude" the slowest one sits out a probation of
-   rounds (`Quorum.slow`, doubling on each repeat; it is not a member and the round does not
-   wait for it), unless that would leave fewer than min_replicas members; it then rejoins as
-   lagging and is measured afresh.
+   `JobSpec.straggler_threshold` times the median of the others' in two non-overlapping
+   windows (`Quorum.suspects` holds the first) is a straggler (`Decision.stragglers`).
+   Under policy "exclude" the slowest one sits out a probation of rounds (`Quorum.slow`,
+   doubling on each repeat; it is not a member and the round does not wait for it), unless
+   that would leave fewer than min_replicas members; it then rejoins as lagging and is
+   measured afresh.
 15. Optimizer steps (manual optimization with several optimizers; after rule 8): every
    `optimizer.step()` is one round. A report names the optimizer its next round steps
    (`opt`; -1: not known yet, a replica before its first batch) and whether that round
@@ -202,10 +203,10 @@ def compute_quorum(
         valid.pop(rid)
 
     # Rule 14: stragglers.
-    flagged, slow_out, slow = stragglers.decide(
+    flagged, slow_out, slow, suspects = stragglers.decide(
         round, {r: (rep.compute_ms, rep.compute_round) for r, rep in valid.items()}, tuple(sorted(valid)),
         previous.slow if previous is not None else (), job.straggler_threshold, job.straggler_policy,
-        job.min_replicas, job.replicas)
+        job.min_replicas, job.replicas, job.straggler_window, previous.suspects if previous is not None else ())
     if slow_out is not None:
         valid.pop(slow_out[0])
 
@@ -340,8 +341,8 @@ def compute_quorum(
                contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
-               quarantine=quarantine, slow=slow, stop=any(valid[r].stop for r in members), opt=opt, cont=cont,
-               first=first)
+               quarantine=quarantine, slow=slow, suspects=suspects, stop=any(valid[r].stop for r in members),
+               opt=opt, cont=cont, first=first)
     return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
                     excluded_straggler=slow_out)
 

@@ -114,6 +114,9 @@ class Quorum:
     slow: tuple[tuple[int, int, int], ...] = ()
     """(rid, until_round, exclusions) of stragglers excluded by rule 14 (policy "exclude");
     an entry stays after its probation until the replica is measured within the threshold."""
+    suspects: tuple[tuple[int, int], ...] = ()
+    """(rid, round of its measure) of members flagged once by rule 14, not yet confirmed as
+    stragglers by a second, non-overlapping window (coord/stragglers.py)."""
     stop: bool = False
     """Some member asked to stop: every replica stops after committing this round."""
     steady: bool = False
@@ -156,6 +159,7 @@ class Quorum:
         d["slot_cursors"] = tuple(d.get("slot_cursors", ()))
         d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
         d["slow"] = tuple(tuple(q) for q in d.get("slow", ()))
+        d["suspects"] = tuple(tuple(q) for q in d.get("suspects", ()))
         return cls(**d)
 
     def cursor_of(self, rid: int) -> int:

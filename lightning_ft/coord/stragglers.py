@@ -7,8 +7,14 @@ or -1 while it has fewer such steps since it last (re)joined. The mean, not the 
 replica throttled in bursts (stopped 0.2 s in every 0.3 s) trains most steps at full speed
 and a few very slowly, and only the mean sees that it costs the job two thirds of its time. The decider of a full round
 compares them (`ratios`): a replica's ratio is its compute time over the median of the
-others'. One at or above `threshold`, and slower than the median of all (a minority), is a
-straggler (`flag`).
+others'. One at or above `threshold`, and slower than the median of all (a minority), is
+flagged (`flag`); it is a straggler once flagged by two measures whose windows do not overlap
+(the newer one made `window` or more rounds after the first) with no measure within the
+threshold between them (`Quorum.suspects` holds the first). One window is not enough: on a
+shared host, load slows one healthy replica's window by 1.3x now and then, and a single window
+then excluded it (CI: replica 0 sat out twice while the throttled replica trained on, because
+at most `max_excluded` replicas sit out at once). With full rounds every 64 steps the second
+measure is the next full round's; with a digest every step, `window` rounds later.
 
 What the round does with it is the policy (`stragglers.policy`):
 - `wait`: nothing; the job runs at the straggler's pace, and the `straggler` event says so.
@@ -27,7 +33,7 @@ What the round does with it is the policy (`stragglers.policy`):
 from __future__ import annotations
 
 import statistics
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 WAIT, EXCLUDE = "wait", "exclude"
 POLICIES = (WAIT, EXCLUDE)
@@ -73,21 +79,45 @@ def max_excluded(replicas: int) -> int:
     return max(1, (replicas - 1) // 2)
 
 
+class Verdict(NamedTuple):
+    """One round's straggler decision."""
+
+    stragglers: dict[int, float]
+    """Confirmed stragglers (flagged by two non-overlapping windows) and their ratios."""
+    excluded: Optional[tuple[int, int, int]]
+    """(rid, until_round, exclusions) of the one excluded now, or None."""
+    slow: tuple[tuple[int, int, int], ...]
+    """The new `Quorum.slow`."""
+    suspects: tuple[tuple[int, int], ...]
+    """The new `Quorum.suspects`: (rid, round of the measure that first flagged it)."""
+
+
 def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple[int, ...], slow_before: tuple,
-           threshold: float, policy: str, min_replicas: int, replicas: int
-           ) -> tuple[dict[int, float], Optional[tuple[int, int, int]], tuple[tuple[int, int, int], ...]]:
-    """One round's straggler decision: (flagged replicas and their ratios, the (rid,
-    until_round, exclusions) of the one excluded now or None, the new `Quorum.slow` list).
+           threshold: float, policy: str, min_replicas: int, replicas: int, window: int,
+           suspects_before: tuple = ()) -> Verdict:
+    """One round's straggler decision.
 
     `measures` maps the round's valid members (after rule 5) to (compute_ms, the round of the
-    newest step measured); `slow_before` is the previous round's `Quorum.slow`. A measure older
-    than the replica's return from probation does not count (it was made before it sat out).
-    Entries whose probation is over stay (their count k) until the replica is measured within
-    the threshold, which forgives it. `replicas` is the job's R (`max_excluded`)."""
+    newest step measured); `slow_before` and `suspects_before` are the previous round's
+    `Quorum.slow` and `Quorum.suspects`. A measure older than the replica's return from
+    probation does not count (it was made before it sat out). A flagged replica becomes a
+    suspect at its measure's round; a suspect flagged again by a measure `window` or more
+    rounds newer is a straggler; one measured unflagged, or no longer a member, is no suspect.
+    Entries of `slow` whose probation is over stay (their count k) until the replica is
+    measured within the threshold, which forgives it. `replicas` is the job's R
+    (`max_excluded`)."""
     entries = {rid: (until, k) for rid, until, k in slow_before}
-    compute_ms = {r: ms for r, (ms, at) in measures.items()
-                  if r in members and (r not in entries or at >= entries[r][0])}
-    flagged = flag(compute_ms, threshold)
+    usable = {r: (ms, at) for r, (ms, at) in measures.items()
+              if r in members and (r not in entries or at >= entries[r][0])}
+    compute_ms = {r: ms for r, (ms, _) in usable.items()}
+    raw = flag(compute_ms, threshold)
+    first = {rid: at for rid, at in suspects_before if rid in members}
+    for r in compute_ms:
+        if r in raw:
+            first.setdefault(r, usable[r][1])
+        elif compute_ms[r] > 0:
+            first.pop(r, None)  # measured within the threshold
+    flagged = {r: x for r, x in raw.items() if usable[r][1] - first[r] >= max(1, window)}
     victim: Optional[int] = None
     sitting_out = sum(1 for until, _ in entries.values() if round < until)
     if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas) \
@@ -96,12 +126,14 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
         victim = max(r for r, x in flagged.items() if x == top)  # the slowest; ties: the highest id
         k = entries.get(victim, (0, 0))[1]
         entries[victim] = (round + PROBATION_ROUNDS * 2 ** k, k + 1)
+        del first[victim]  # measured afresh after its probation
     for r in members:  # back for a probation's length without being flagged, and measured within: forgiven
-        if r in entries and r != victim and r not in flagged and compute_ms.get(r, -1.0) > 0 \
+        if r in entries and r != victim and r not in raw and compute_ms.get(r, -1.0) > 0 \
                 and entries[r][0] + PROBATION_ROUNDS <= round:
             del entries[r]
     excluded_now = (victim, *entries[victim]) if victim is not None else None
-    return flagged, excluded_now, tuple(sorted((r, until, k) for r, (until, k) in entries.items()))
+    return Verdict(flagged, excluded_now, tuple(sorted((r, until, k) for r, (until, k) in entries.items())),
+                   tuple(sorted(first.items())))
 
 
 def excluded(round: int, slow: tuple) -> set[int]:

@@ -70,8 +70,8 @@ def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identi
         steps = [x for x in r0.rows if x.get("event") == "step" and t_out <= x["t"] <= t_release]
         joined = sum(1 for x in steps if 1 in x["members"])
         diag = json.dumps({"before": before, "during": during, "detect_s": t_out - t_throttle, "steps": len(steps),
-                           "with_straggler": joined, "exclusions": [(e["round"], e.get("until_round"), e["by"])
-                                                                    for e in ev]})
+                           "with_straggler": joined, "exclusions": [
+                               (e["round"], e["replica"], e.get("until_round"), e["by"]) for e in ev]})
         print(diag)
         assert joined <= 0.3 * len(steps), diag
         assert during >= 0.5 * before, diag
