@@ -137,6 +137,18 @@ class GPT(L.LightningModule):
                           batch_size=64)
 
 
+class StopFile(L.Callback):
+    """Stop training once `path` exists (a scheduler's or a script's way to end a run early;
+    Lightning's own `trainer.should_stop`, which ft_hsdp agrees across replicas)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if os.path.exists(self.path):
+            trainer.should_stop = True
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -148,6 +160,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--strategy", default="ft_hsdp")
     p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--stop-file", default="", help="stop training once this file exists")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model = GPT(d=a.d, layers=a.layers, context=a.context, lr=a.lr, steps=a.steps, batch=a.batch)
@@ -155,6 +168,7 @@ def main(argv: list[str]) -> int:
                         val_check_interval=a.val_every,
                         check_val_every_n_epoch=None, limit_val_batches=4, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
+                        callbacks=[StopFile(a.stop_file)] if a.stop_file else None,
                         default_root_dir=os.environ.get("LFT_RUN_DIR", "."))
     trainer.fit(model)
     return 0

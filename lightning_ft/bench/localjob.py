@@ -146,8 +146,10 @@ class Job:
         return r
 
     def start_spare(self, token: str, env: Optional[dict] = None) -> Replica:
-        """A warm spare (coord/standby.py): it starts up and waits, registered, until promoted."""
-        r = Replica(self, -1, -1, standby=token, spare_env=env)
+        """A warm spare (coord/standby.py): it starts up and waits, registered, until promoted;
+        forked from the job's zygote when that is ready, as `lightning-ft run` starts spares."""
+        ready = self.zygote is not None and self.zygote.ready.is_set()
+        r = Replica(self, -1, -1, standby=token, spare_env=env, zygote=self.zygote if ready else None)
         self.spares[token] = r
         self.history.append(r)
         return r

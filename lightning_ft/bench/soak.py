@@ -16,6 +16,12 @@ data a few seconds later). With probability `--overlap` a fault hits two replica
 etcd is a 3-member cluster outside the job with data directories, so the ledger survives
 whole-job kills, and checks span every restart.
 
+Once the faults are done, the job trains `--tail-steps` more (replicas rejoin, fault-free),
+then the soak creates train_lm's `--stop-file` and the replicas agree to stop after one step
+(Lightning's `trainer.should_stop`); `--tail-steps 0` trains to `--steps` instead. A fixed
+step count either ran out before the faults did (a fast machine: 6 of 10 landed) or trained
+a long fault-free tail (a slow one).
+
 The soak ends when the job does: a launcher that exited, or a job that halted (no majority of
 replica states agreed), stops the faults at once; the line then says `"halted": true` with
 the reason, and the soak fails. At the end it verifies the final model's history from the
@@ -24,6 +30,7 @@ for `--hang-s`), and prints one line:
 
     {"bench": "soak", "faults": N, "overlapping": n, "lost_batches": 0, "duplicate_batches": 0,
      "at_end": replicas that trained to the last step (compared for "identical"),
+     "final_step": the step they ended at, "steps": the ledger's steps of the final history,
      "rewinds": r, "identical": true, "hangs": 0, "ett": ...,
      "heals": {"disowned": .., "stale": .., "diverged": ..}: how often each guard against two
      states at one step fired (docs/ARCHITECTURE.md, "History generations"), ...}
@@ -77,6 +84,11 @@ class Job:
             self.cluster.restart_dead()
             self.etcd_down_since = None
 
+    @property
+    def stop_file(self) -> str:
+        """train_lm's --stop-file: created to end the job after the fault-free tail."""
+        return os.path.join(os.path.dirname(self.run_dir), "STOP")
+
     def launch(self, resume: bool = False) -> None:
         a = self.a
         cmd = [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(a.replicas),
@@ -85,6 +97,7 @@ class Job:
                "--timeout", str(a.timeout + 120)]  # a backstop: the soak's own deadline reports and kills
         cmd += ["--resume", self.run_dir] if resume else ["--run-dir", self.run_dir]
         cmd += [TRAIN_LM, "--steps", str(a.steps), "--val-every", "1000000", "--batch", "8", "--d", "32",
+                "--stop-file", self.stop_file,
                 "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
                 "failure.signal_exception=true", "quorum.init_timeout_s=20", "supervisor.start_timeout_s=120",
                 "supervisor.exit_timeout_s=20",
@@ -295,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", type=float, default=0.15, help="probability that a fault hits two replicas")
     p.add_argument("--kinds", default="kill,hang,exception,link,job,etcd")
     p.add_argument("--every-s", type=float, default=4.0, help="mean seconds between faults")
-    p.add_argument("--steps", type=int, default=0, help="training steps (default: enough for the faults)")
+    p.add_argument("--steps", type=int, default=0, help="training steps at most (default: enough for the faults)")
+    p.add_argument("--tail-steps", type=int, default=300,
+                   help="fault-free steps after the last fault, then the job stops (0: train to --steps)")
     p.add_argument("--ckpt-every", type=int, default=25)
     p.add_argument("--hang-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
@@ -414,9 +429,14 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
             by_kind[kind] = by_kind.get(kind, 0) + n
             if n:
                 log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
-        log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish")
+        stop_at = job.committed() + a.tail_steps if a.tail_steps > 0 else None
+        log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish"
+            + (f" (it stops at step {stop_at} or so)" if stop_at is not None else ""))
         halted_at = None
         while job.launcher.poll() is None and time.monotonic() - t0 < a.timeout:
+            if stop_at is not None and job.committed() >= stop_at and not os.path.exists(job.stop_file):
+                open(job.stop_file, "w").close()
+                log(f"{a.tail_steps} fault-free steps after the last fault: the job stops (step {job.committed()})")
             job.heal_etcd(after_s=3.0)
             job.heal_links()
             if halted_at is None and halt_reason(run_dir):
@@ -448,8 +468,9 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
                 finals.append(json.load(open(path)))
         # Replicas that trained to the end; one restarted by a late fault may find the job finished
         # (it has nothing to train) and is counted as absent, not compared.
+        final_step = finals[0]["step"] if finals else -1
         identical = bool(finals) and len({tuple(f["digest"]) for f in finals}) == 1 and all(
-            f["step"] == a.steps for f in finals)
+            f["step"] == final_step for f in finals)
         ett = None
         try:
             from lightning_ft.report import report
@@ -461,7 +482,7 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
                "overlapping": overlapping,
                "lost_batches": len(rep.gaps), "duplicate_batches": len(rep.duplicates),
                "conflicts": len(rep.conflicts), "rewinds": len(rep.rewinds), "identical": identical,
-               "at_end": len(finals),
+               "at_end": len(finals), "final_step": final_step,
                "hangs": hangs(run_dir, a.replicas, a.hang_s), "ett": ett, "steps": rep.steps,
                "superseded": rep.superseded, "heals": heals(run_dir), "by_kind": by_kind,
                "launches": job.launches,
@@ -473,7 +494,7 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
             log(f"only {injected} of {a.faults} faults landed before the fault-free tail (raise --steps)")
         ok = (not timed_out and not halted and injected >= a.faults and identical and not rep.gaps
               and not rep.duplicates and job.launcher.returncode == 0
-              and rep.steps == a.steps  # an empty or wrong keyspace has no gaps either
+              and rep.steps == final_step > 0  # an empty or wrong keyspace has no gaps either
               and len(finals) > a.replicas // 2)
         if not ok:  # what went wrong is in there (the ledger is in etcd's data): keep it for whoever looks next
             keep_dir = tmp

@@ -34,7 +34,7 @@ def final_digests(run_dir) -> dict[int, list[str]]:
 def test_run_with_embedded_etcd_restarts_a_killed_replica(tmp_path):
     run_dir = tmp_path / "run"
     r = lft("run", "--replicas", "2", "--nproc-per-replica", "1", "--run-dir", str(run_dir), "--no-status",
-            "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "300", "--step-sleep", "0.05",
+            "--timeout", "240", LOOP, *LOOP_ARGS, "--steps", "120", "--step-sleep", "0.05",
             "failure.events=[{replica: 1, step: 40, kind: kill}]", "failure.restart_delay_s=0.2",
             "min_replicas=2",  # the survivor waits for the restart, however slow, so both train to the end
             "job=" + "run" + uuid.uuid4().hex[:6])
@@ -128,7 +128,8 @@ def test_a_second_job_on_a_live_id_is_refused_and_a_reused_id_starts_afresh(tmp_
                 "--job", job, "--run-dir", str(run_dir), "--no-status", "--timeout", "200", LOOP, *LOOP_ARGS,
                 "--steps", str(steps), "--step-sleep", "0.1", "failure.restart_delay_s=0.2", *extra]
 
-    first = subprocess.Popen(cmd(tmp_path / "a", 250, "failure.events=[{replica: 0, step: 5, kind: kill}]"),
+    # 150 steps (15 s or more): the refused job below tries the id while this one still runs
+    first = subprocess.Popen(cmd(tmp_path / "a", 150, "failure.events=[{replica: 0, step: 5, kind: kill}]"),
                              env={**env, "LFT_SECRET_FILE": str(files["ours"])}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:

@@ -44,7 +44,8 @@ def test_a_promoted_spare_heals_a_killed_replica_and_the_job_ends_identical(job_
 
 @pytest.mark.timeout(180)
 def test_a_spare_with_another_secret_is_refused_and_one_never_needed_leaves_at_the_end(job_factory):
-    job = job_factory(args=SMALL + ("--steps", "500", "--step-sleep", "0.02"))
+    # 300 steps (9 s or more): the spares fork from the session zygote and register within a second or two
+    job = job_factory(args=SMALL + ("--steps", "300", "--step-sleep", "0.02"))
     job.start_all()
     job.replicas[0].wait_for(lambda x: x.get("event") == "step", 120)
     wrong = job.start_spare("bad", env={"LFT_SECRET": TEST_SECRET[::-1]})
