@@ -87,7 +87,6 @@ class Account:
 
     def __init__(self, root_pid: int, interval_s: float = 0.2) -> None:
         self.root_pid, self.interval_s = root_pid, interval_s
-        self._roles: dict[int, str] = {}
         self._threads: dict[tuple[int, int, str], tuple[str, str, int]] = {}
         """(pid, tid, start time) -> (role, class, largest utime + stime seen, in ticks)."""
         self._stop = threading.Event()
@@ -131,12 +130,12 @@ class Account:
             self._sample_process(pid)
 
     def _sample_process(self, pid: int) -> None:
-        role = self._roles.get(pid)
-        if role is None:
-            raw = _read(f"/proc/{pid}/cmdline")
-            if raw is None:
-                return
-            role = self._roles[pid] = process_role([c for c in raw.split("\0") if c])
+        # Read every time, not cached: a child seen between its fork and its exec still shows its
+        # parent's command line (CI counted the embedded etcd as the launcher that way).
+        raw = _read(f"/proc/{pid}/cmdline")
+        if raw is None:
+            return
+        role = process_role([c for c in raw.split("\0") if c])
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -152,8 +151,7 @@ class Account:
             key = (pid, tid, start)
             cls = thread_class(role, comm.strip(), tid == pid)
             old = self._threads.get(key)
-            if old is None or ticks > old[2]:
-                self._threads[key] = (role, cls, ticks)
+            self._threads[key] = (role, cls, ticks if old is None else max(ticks, old[2]))  # the latest role
 
     def totals(self) -> dict:
         """{"total": s, "by_role": {role: s}, "by_thread": {"role/class": s}} in CPU seconds."""
