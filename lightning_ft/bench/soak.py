@@ -16,11 +16,11 @@ data a few seconds later). With probability `--overlap` a fault hits two replica
 etcd is a 3-member cluster outside the job with data directories, so the ledger survives
 whole-job kills, and checks span every restart.
 
-Once the faults are done, the job trains `--tail-steps` more (replicas rejoin, fault-free),
-then the soak creates train_lm's `--stop-file` and the replicas agree to stop after one step
-(Lightning's `trainer.should_stop`); `--tail-steps 0` trains to `--steps` instead. A fixed
-step count either ran out before the faults did (a fast machine: 6 of 10 landed) or trained
-a long fault-free tail (a slow one).
+Once the faults are done, the job trains `--tail-steps` more, fault-free, until every replica
+has committed again (at most `TAIL_WAIT_S`), then the soak creates train_lm's `--stop-file`
+and the replicas agree to stop after one step (Lightning's `trainer.should_stop`);
+`--tail-steps 0` trains to `--steps` instead. A fixed step count either ran out before the
+faults did (a fast machine: 6 of 10 landed) or trained a long fault-free tail (a slow one).
 
 The soak ends when the job does: a launcher that exited, or a job that halted (no majority of
 replica states agreed), stops the faults at once; the line then says `"halted": true` with
@@ -52,6 +52,10 @@ from typing import Iterator, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_LM = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "train_lm.py")
+
+
+TAIL_WAIT_S = 180.0
+"""The longest the tail waits for every replica to commit again before the job stops."""
 
 
 def log(msg: str) -> None:
@@ -176,6 +180,11 @@ class Job:
                 except (ValueError, KeyError):
                     continue
         return rows
+
+    def all_back_since(self, t: float) -> bool:
+        """Every replica committed a step after wall time `t`."""
+        rows = self._last_rows()
+        return len(rows) == self.a.replicas and all(r["t"] > t for r in rows)
 
     def last_commit_t(self) -> float:
         """Wall time of the newest committed step of any replica (0 before the first)."""
@@ -430,13 +439,18 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
             if n:
                 log(f"fault {injected}/{a.faults}: {kind} at job step {job.committed()}")
         stop_at = job.committed() + a.tail_steps if a.tail_steps > 0 else None
+        tail_from = time.time()
         log(f"{injected} faults injected ({overlapping} overlapping); waiting for the job to finish"
             + (f" (it stops at step {stop_at} or so)" if stop_at is not None else ""))
         halted_at = None
         while job.launcher.poll() is None and time.monotonic() - t0 < a.timeout:
-            if stop_at is not None and job.committed() >= stop_at and not os.path.exists(job.stop_file):
+            # the tail is fault-free steps with every replica back (two replicas hung by the last
+            # faults come back after the launcher's hang timeout), or TAIL_WAIT_S at most
+            if stop_at is not None and job.committed() >= stop_at and not os.path.exists(job.stop_file) and (
+                    job.all_back_since(tail_from) or time.time() - tail_from > TAIL_WAIT_S):
                 open(job.stop_file, "w").close()
-                log(f"{a.tail_steps} fault-free steps after the last fault: the job stops (step {job.committed()})")
+                log(f"{a.tail_steps} fault-free steps after the last fault: the job stops (step {job.committed()}; "
+                    f"every replica back: {job.all_back_since(tail_from)})")
             job.heal_etcd(after_s=3.0)
             job.heal_links()
             if halted_at is None and halt_reason(run_dir):
