@@ -17,7 +17,7 @@ from lightning_ft.bench.straggler import rate, read_events, throttle
 from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identical_every_step
 
 
-STEPS = os.environ.get("LFT_TEST_STRAGGLER_STEPS", "1500")
+STEPS = os.environ.get("LFT_TEST_STRAGGLER_STEPS", "1200")
 SLOW_AFTER_S = 12.0
 """How long the straggler stays slow after its first exclusion: the window the rates compare. It
 spans the first probation (64 rounds), the return (a catch-up and `window` rounds at the
