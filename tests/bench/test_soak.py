@@ -57,7 +57,7 @@ def test_a_job_that_outlives_the_timeout_is_reported_killed_and_cleaned_up():
 
 
 def test_the_soak_counts_each_guard_that_fired_from_the_events(tmp_path):
-    from lightning_ft.bench.soak import heals
+    from lightning_ft.bench.soak_parts import heals
 
     rows = [{"event": "disowned", "replica": 1}, {"event": "stale", "replica": 2}, {"event": "stale", "replica": 1},
             {"event": "restart", "replica": 0}]
@@ -87,7 +87,7 @@ def test_a_job_that_halts_ends_the_soak_with_its_reason():
 
 
 def test_the_soak_reads_a_halt_from_the_events(tmp_path):
-    from lightning_ft.bench.soak import halt_reason
+    from lightning_ft.bench.soak_parts import halt_reason
 
     assert halt_reason(str(tmp_path)) == ""
     rows = [{"event": "restart", "replica": 0}, {"event": "halt", "reason": "replica states diverged at step 40"}]
