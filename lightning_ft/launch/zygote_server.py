@@ -24,8 +24,11 @@ def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds:
         for fd in wake:
             os.close(fd)
         signal.set_wakeup_fd(-1)
-        for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_DFL)
+        # as a fresh python starts: a write to a closed socket raises BrokenPipeError; with the
+        # default disposition it killed a forked rank whose FTAR peer had closed (CI, -13)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDONLY)

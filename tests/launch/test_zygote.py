@@ -59,15 +59,18 @@ def test_default_preload_without_a_readable_script_is_torch():
     assert default_preload(python_target([PY, "/nonexistent/train.py"])) == ["torch", "torch._dynamo"]
 
 
-PROG = textwrap.dedent("""
-    import json, os, random, sys, threading, time, atexit
+SIGNALS = ("SIGPIPE", "SIGINT", "SIGTERM", "SIGHUP", "SIGCHLD", "SIGUSR1")
+
+PROG = "SIGNALS = " + repr(SIGNALS) + "\n" + textwrap.dedent("""
+    import json, os, random, signal, sys, threading, time, atexit
     import torch
     out = os.environ["OUT"]
     a = torch.randn(256, 256)
     row = {"argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("X"), "rand": random.random(),
            "threads": torch.get_num_threads(), "mm": float((a @ a).abs().sum()) > 0, "pid": os.getpid(),
            "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0), "name": __name__,
-           "main_file": sys.modules["__main__"].__file__}
+           "main_file": sys.modules["__main__"].__file__,
+           "signals": {n: str(signal.getsignal(getattr(signal, n))) for n in SIGNALS}}
     with open(out, "w") as f:
         json.dump(row, f)
     action = os.environ.get("ACTION", "")
@@ -134,6 +137,13 @@ def test_a_forked_program_runs_as_a_fresh_python_would(zygote, tmp_path):
     assert r1["rand"] != r2["rand"]  # reseeded: not the zygote's state
     assert r1["ppid"] == zygote.proc.pid and r1["pgid"] == r1["sid"] == r1["pid"]  # own session
     assert log1.read_text() == "stdout line\n"  # stdout flushed at exit, on the passed descriptor
+    # the signal dispositions a fresh python starts with: SIGPIPE ignored (a write to a closed
+    # socket raises BrokenPipeError; CI saw a forked rank killed by SIGPIPE instead), SIGINT raising
+    # KeyboardInterrupt, the others default
+    code = ("import json, signal; SIGNALS = " + repr(SIGNALS) +
+            "; print(json.dumps({n: str(signal.getsignal(getattr(signal, n))) for n in SIGNALS}))")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r1["signals"] == json.loads(fresh.stdout), (r1["signals"], fresh.stdout)
 
 
 def test_an_uncaught_exception_exits_1_with_the_programs_traceback_only(zygote, tmp_path):
