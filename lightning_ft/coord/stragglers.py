@@ -9,8 +9,8 @@ and a few very slowly, and only the mean sees that it costs the job two thirds o
 compares them (`ratios`): a replica's ratio is its compute time over the median of the
 others'. One at or above `threshold`, and slower than the median of all (a minority), is
 flagged (`flag`); it is a straggler once flagged by two measures whose windows do not overlap
-(the newer one made `window` or more rounds after the first) with no measure within the
-threshold between them (`Quorum.suspects` holds the first). One window is not enough: on a
+(the newer one, the first made `window` or more rounds after the first flag, decides;
+`Quorum.suspects` holds the first). One window is not enough: on a
 shared host, load slows one healthy replica's window by 1.3x now and then, and a single window
 then excluded it (CI: replica 0 sat out twice while the throttled replica trained on, because
 at most `max_excluded` replicas sit out at once). With full rounds every 64 steps the second
@@ -101,10 +101,12 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
     newest step measured); `slow_before` and `suspects_before` are the previous round's
     `Quorum.slow` and `Quorum.suspects`. A measure older than the replica's return from
     probation does not count (it was made before it sat out). A flagged replica becomes a
-    suspect at its measure's round; a suspect flagged again by a measure `window` or more
-    rounds newer is a straggler; one measured unflagged, or no longer a member, is no suspect.
-    Entries of `slow` whose probation is over stay (their count k) until the replica is
-    measured within the threshold, which forgives it. `replicas` is the job's R
+    suspect at its measure's round; its first measure `window` or more rounds newer (a window
+    that does not overlap) decides: flagged, it is a straggler; within the threshold, it is no
+    suspect. Measures in between (sliding windows that overlap the first) decide nothing: a
+    replica throttled in bursts has clean windows among its slow ones. A suspect that is no
+    longer a member is forgotten. Entries of `slow` whose probation is over stay (their count
+    k) until the replica, no suspect, is measured within the threshold, which forgives it. `replicas` is the job's R
     (`max_excluded`)."""
     entries = {rid: (until, k) for rid, until, k in slow_before}
     usable = {r: (ms, at) for r, (ms, at) in measures.items()
@@ -112,12 +114,17 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
     compute_ms = {r: ms for r, (ms, _) in usable.items()}
     raw = flag(compute_ms, threshold)
     first = {rid: at for rid, at in suspects_before if rid in members}
+    span = max(1, window)
+    flagged: dict[int, float] = {}
     for r in compute_ms:
-        if r in raw:
-            first.setdefault(r, usable[r][1])
-        elif compute_ms[r] > 0:
-            first.pop(r, None)  # measured within the threshold
-    flagged = {r: x for r, x in raw.items() if usable[r][1] - first[r] >= max(1, window)}
+        if r not in first:
+            if r in raw:
+                first[r] = usable[r][1]
+        elif usable[r][1] - first[r] >= span:  # the next window that does not overlap decides
+            if r in raw:
+                flagged[r] = raw[r]
+            elif compute_ms[r] > 0:
+                del first[r]  # measured within the threshold
     victim: Optional[int] = None
     sitting_out = sum(1 for until, _ in entries.values() if round < until)
     if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas) \
@@ -128,7 +135,7 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
         entries[victim] = (round + PROBATION_ROUNDS * 2 ** k, k + 1)
         del first[victim]  # measured afresh after its probation
     for r in members:  # back for a probation's length without being flagged, and measured within: forgiven
-        if r in entries and r != victim and r not in raw and compute_ms.get(r, -1.0) > 0 \
+        if r in entries and r != victim and r not in raw and r not in first and compute_ms.get(r, -1.0) > 0 \
                 and entries[r][0] + PROBATION_ROUNDS <= round:
             del entries[r]
     excluded_now = (victim, *entries[victim]) if victim is not None else None
