@@ -114,9 +114,10 @@ class Quorum:
     slow: tuple[tuple[int, int, int], ...] = ()
     """(rid, until_round, exclusions) of stragglers excluded by rule 14 (policy "exclude");
     an entry stays after its probation until the replica is measured within the threshold."""
-    suspects: tuple[tuple[int, int], ...] = ()
-    """(rid, round of its measure) of members flagged once by rule 14, not yet confirmed as
-    stragglers by a second, non-overlapping window (coord/stragglers.py)."""
+    suspects: tuple[tuple[int, int, int], ...] = ()
+    """(rid, round of its first flag, round of its newest flag) of members flagged by rule 14,
+    not yet confirmed as stragglers by a non-overlapping window nor cleared by a whole window
+    within the threshold (coord/stragglers.py)."""
     stop: bool = False
     """Some member asked to stop: every replica stops after committing this round."""
     steady: bool = False

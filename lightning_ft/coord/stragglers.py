@@ -9,12 +9,16 @@ and a few very slowly, and only the mean sees that it costs the job two thirds o
 compares them (`ratios`): a replica's ratio is its compute time over the median of the
 others'. One at or above `threshold`, and slower than the median of all (a minority), is
 flagged (`flag`); it is a straggler once flagged by two measures whose windows do not overlap
-(the newer one, the first made `window` or more rounds after the first flag, decides;
-`Quorum.suspects` holds the first). One window is not enough: on a
-shared host, load slows one healthy replica's window by 1.3x now and then, and a single window
-then excluded it (CI: replica 0 sat out twice while the throttled replica trained on, because
-at most `max_excluded` replicas sit out at once). With full rounds every 64 steps the second
-measure is the next full round's; with a digest every step, `window` rounds later.
+(a flag by a measure `window` or more rounds newer than the first flag confirms it), and it
+stays a suspect until a whole window is measured within the threshold after its newest flag
+(`Quorum.suspects` holds both rounds). One window is not enough: on a shared host, load slows
+one healthy replica's window by 1.3x now and then, and a single window then excluded it (CI:
+replica 0 sat out twice while the throttled replica trained on, because at most
+`max_excluded` replicas sit out at once). And one clean window must not clear a suspect: a
+replica throttled in bursts (its stops land in its compute or in the exchange, by chance) has
+clean windows among its slow ones, and when the confirming measure alone decided, CI saw one
+trained back in for 82 rounds. With full rounds every 64 steps the second measure is the next
+full round's; with a digest every step, `window` rounds later.
 
 What the round does with it is the policy (`stragglers.policy`):
 - `wait`: nothing; the job runs at the straggler's pace, and the `straggler` event says so.
@@ -88,8 +92,9 @@ class Verdict(NamedTuple):
     """(rid, until_round, exclusions) of the one excluded now, or None."""
     slow: tuple[tuple[int, int, int], ...]
     """The new `Quorum.slow`."""
-    suspects: tuple[tuple[int, int], ...]
-    """The new `Quorum.suspects`: (rid, round of the measure that first flagged it)."""
+    suspects: tuple[tuple[int, int, int], ...]
+    """The new `Quorum.suspects`: (rid, round of the measure that first flagged it, round of the
+    newest measure that flagged it)."""
 
 
 def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple[int, ...], slow_before: tuple,
@@ -101,30 +106,32 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
     newest step measured); `slow_before` and `suspects_before` are the previous round's
     `Quorum.slow` and `Quorum.suspects`. A measure older than the replica's return from
     probation does not count (it was made before it sat out). A flagged replica becomes a
-    suspect at its measure's round; its first measure `window` or more rounds newer (a window
-    that does not overlap) decides: flagged, it is a straggler; within the threshold, it is no
-    suspect. Measures in between (sliding windows that overlap the first) decide nothing: a
-    replica throttled in bursts has clean windows among its slow ones. A suspect that is no
-    longer a member is forgotten. Entries of `slow` whose probation is over stay (their count
-    k) until the replica, no suspect, is measured within the threshold, which forgives it. `replicas` is the job's R
+    suspect at its measure's round; a flag by a measure `window` or more rounds newer (a window
+    that does not overlap) makes it a straggler, and a measure within the threshold `window` or
+    more rounds after its newest flag clears it. Anything in between only moves its newest flag.
+    A suspect that is no longer a member is forgotten. Entries of `slow` whose probation is
+    over stay (their count k) until the replica, no suspect, is measured within the threshold
+    a probation's length of rounds after its return, which forgives it. `replicas` is the job's R
     (`max_excluded`)."""
     entries = {rid: (until, k) for rid, until, k in slow_before}
     usable = {r: (ms, at) for r, (ms, at) in measures.items()
               if r in members and (r not in entries or at >= entries[r][0])}
     compute_ms = {r: ms for r, (ms, _) in usable.items()}
     raw = flag(compute_ms, threshold)
-    first = {rid: at for rid, at in suspects_before if rid in members}
+    first = {s[0]: (s[1], s[-1]) for s in suspects_before if s[0] in members}  # (rid, at) of old records
     span = max(1, window)
     flagged: dict[int, float] = {}
     for r in compute_ms:
+        at = usable[r][1]
         if r not in first:
             if r in raw:
-                first[r] = usable[r][1]
-        elif usable[r][1] - first[r] >= span:  # the next window that does not overlap decides
-            if r in raw:
+                first[r] = (at, at)
+        elif r in raw:
+            if at - first[r][0] >= span:  # a window that does not overlap the first confirms it
                 flagged[r] = raw[r]
-            elif compute_ms[r] > 0:
-                del first[r]  # measured within the threshold
+            first[r] = (first[r][0], max(first[r][1], at))
+        elif compute_ms[r] > 0 and at - first[r][1] >= span:
+            del first[r]  # a whole window within the threshold since its last flag
     victim: Optional[int] = None
     sitting_out = sum(1 for until, _ in entries.values() if round < until)
     if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas) \
@@ -140,7 +147,7 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
             del entries[r]
     excluded_now = (victim, *entries[victim]) if victim is not None else None
     return Verdict(flagged, excluded_now, tuple(sorted((r, until, k) for r, (until, k) in entries.items())),
-                   tuple(sorted(first.items())))
+                   tuple(sorted((r, a, b) for r, (a, b) in first.items())))
 
 
 def excluded(round: int, slow: tuple) -> set[int]:
