@@ -16,9 +16,15 @@ One JSON line per case, from the median of `iters` timed rounds after one warm-u
 median of `peer_iters` rounds, no warm-up; it is 10x slower and would dominate the run time):
     {"bench": "catchup", "state_mb": M, "clients": N, "net": "loopback" | "netns", "streams": S,
      "gbps": ..., "seconds": ..., "gbps_by_streams": {"1": ..., "4": ...}, "rounds_by_streams": {..},
-     "peer_gbps": ..., "peer_seconds": ...}
+     "wire_gbps": ..., "of_wire": ..., "peer_gbps": ..., "peer_seconds": ...}
 (S, gbps, seconds: the largest --streams setting; rounds_by_streams: each timed round's GB/s.)
 gbps is aggregate: N x state bytes / the slowest client's seconds (1e9 bytes per GB).
+The wire: in every timed round, after the fetches, the same bytes go over S plain TCP
+connections of the same processes, straight from the tensors into the client's tensors, with no
+protocol, no authentication and no copy beyond the kernel's: `wire_gbps` (median) is what the
+machine's sockets give, and `of_wire` = gbps / wire_gbps what the authenticated fetch keeps of
+it. On this 2-core machine both ends share the cores, so the two MACs (one per side) cost
+throughput that more cores would hide.
 """
 from __future__ import annotations
 
@@ -34,11 +40,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING, cast
 
 import torch
 
 from lightning_ft.replica.catchup import STREAMS, StateServer, fetch_state
+from lightning_ft.replica.catchup_wire import bytes_of, pieces
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _LEN = struct.Struct(">Q")
 
@@ -79,6 +89,36 @@ def _peer_fetch(address: str, into: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
+def _wire_fetch(address: str, into: dict[str, torch.Tensor], streams: int) -> float:
+    """The same bytes as a fetch, over `streams` plain connections, each asking for its part
+    [lo, hi) and receiving it straight into the tensors (no header, no MAC)."""
+    views = [memoryview(cast("Buffer", bytes_of(t).numpy())) for t in into.values()]
+    sizes = [len(v) for v in views]
+    total = sum(sizes)
+    host, port = address.rsplit(":", 1)
+    errors: list[BaseException] = []
+
+    def part(i: int) -> None:
+        lo, hi = total * i // streams, total * (i + 1) // streams
+        try:
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
+                sock.sendall(_LEN.pack(lo) + _LEN.pack(hi))
+                for k, a, b in pieces(sizes, lo, hi):
+                    _recv_exact(sock, views[k][a:b])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=part, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
 def _client(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     secret = os.environ["LFT_BENCH_SECRET"].encode()
@@ -95,6 +135,8 @@ def _client(args: argparse.Namespace) -> None:
             out = {"seconds": stats["seconds"], "bytes": stats["bytes"]}
         elif cmd == "peer":
             out = {"seconds": _peer_fetch(rest[0], into)}
+        elif cmd == "wire":
+            out = {"seconds": _wire_fetch(rest[0], into, int(rest[1]))}
         else:
             return
         print(json.dumps(out), flush=True)
@@ -133,6 +175,20 @@ class _PeerServer:
         self.sock.close()
 
 
+class _WireServer(_PeerServer):
+    """The wire's ceiling: each connection asks for [lo, hi) of the tensors' bytes (two 8-byte
+    big-endian numbers) and gets exactly those bytes, sent from the tensors' memory."""
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            views = [memoryview(cast("Buffer", bytes_of(t).numpy())) for t in self.state.values()]
+            ask = bytearray(2 * _LEN.size)
+            _recv_exact(conn, memoryview(ask))
+            lo, hi = _LEN.unpack(ask[:_LEN.size])[0], _LEN.unpack(ask[_LEN.size:])[0]
+            for k, a, b in pieces([len(v) for v in views], lo, hi):
+                conn.sendall(views[k][a:b])
+
+
 def _stdout(p: subprocess.Popen) -> IO[str]:
     assert p.stdout is not None  # the clients run with stdout=PIPE
     return p.stdout
@@ -164,22 +220,27 @@ def _start_clients(address: str, n: int, host=None) -> list[subprocess.Popen]:
 
 
 def _case(mb: float, clients: list[subprocess.Popen], iters: int, peer_iters: int, peer: "_PeerServer | None",
-          version: int, streams: list[int], net: str) -> dict:
+          version: int, streams: list[int], net: str, wire: "_WireServer") -> dict:
     n = len(clients)
     _round(clients, f"alloc {mb}")
     nbytes = n * sum(t.numel() * t.element_size() for t in _state_like(mb))
     for k in streams:  # warm-up
         _round(clients, f"fetch {version} {k}")
+    top = max(streams)
+    _round(clients, f"wire {wire.address} {top}")
     ours: dict[int, list[float]] = {k: [] for k in streams}
-    for _ in range(iters):  # paired: each round runs every setting, one after the other
+    bare: list[float] = []
+    for _ in range(iters):  # paired: each round runs every setting and the wire, one after the other
         for k in streams:
             ours[k].append(_round(clients, f"fetch {version} {k}"))
+        bare.append(_round(clients, f"wire {wire.address} {top}"))
     med = {k: statistics.median(v) for k, v in ours.items()}
-    top = max(streams)
+    wire_s = statistics.median(bare)
     out = {"bench": "catchup", "state_mb": mb, "clients": n, "net": net, "streams": top,
            "gbps": round(nbytes / med[top] / 1e9, 3), "seconds": round(med[top], 4),
            "gbps_by_streams": {str(k): round(nbytes / med[k] / 1e9, 3) for k in streams},
-           "rounds_by_streams": {str(k): [round(nbytes / x / 1e9, 2) for x in v] for k, v in ours.items()}}
+           "rounds_by_streams": {str(k): [round(nbytes / x / 1e9, 2) for x in v] for k, v in ours.items()},
+           "wire_gbps": round(nbytes / wire_s / 1e9, 3), "of_wire": round(wire_s / med[top], 3)}
     if peer is not None and peer_iters:
         ps = statistics.median([_round(clients, f"peer {peer.address}") for _ in range(peer_iters)])
         out.update(peer_gbps=round(nbytes / ps / 1e9, 3), peer_seconds=round(ps, 4))
@@ -221,12 +282,14 @@ def _bench(args: argparse.Namespace, host, bind: str) -> None:
             state = _state(mb)
             server.publish(version, state, {"step": version}, expected=set())
             peer = _PeerServer(state, bind) if args.peer_iters else None
+            wire = _WireServer(state, bind)
             try:
                 for n in args.clients:
                     case = _case(mb, clients[:n], args.iters, args.peer_iters, peer, version, args.streams,
-                                 "netns" if host is not None else "loopback")
+                                 "netns" if host is not None else "loopback", wire)
                     print(json.dumps(case), flush=True)
             finally:
+                wire.close()
                 if peer is not None:
                     peer.close()
     finally:

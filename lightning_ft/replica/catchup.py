@@ -50,7 +50,7 @@ therefore ends the fetch as `partial` (the replica votes LOST and restarts fresh
 bytes are never trained on). Only known meta keys are applied (`check_meta`). A refusal
 before authentication says only "authentication failed"; the server logs why.
 
-Throughput: Poly1305 runs at memory speed (~13 GB/s on one core) but holds the GIL, and one
+Throughput: Poly1305 runs near memory speed (~6.5 GB/s from memory here) but holds the GIL, and one
 TCP stream's copies cost more than the MAC; with several parts, one stream's recv_into (GIL
 released) overlaps another's MAC, and the kernel copies run on several cores
 (`python -m lightning_ft.bench.catchup` measures 1 part against `STREAMS`).
