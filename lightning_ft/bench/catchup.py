@@ -1,7 +1,7 @@
 """Catch-up fetch throughput against a torch.save/torch.load peer, in the same run (docs/ARCHITECTURE.md, "Catch-up").
 
     python -m lightning_ft.bench.catchup [--mb 100 400] [--clients 1 2] [--streams 1 4] [--iters 3]
-                                         [--peer-iters 1] [--netns]
+                                         [--peer-iters 1] [--netns] [--tcp]
 
 This process publishes an fp32 state of M MB (four large tensors and a 0-dim step) on a
 `StateServer`. N client subprocesses, each with the state preallocated, fetch it at the same
@@ -16,7 +16,7 @@ One JSON line per case, from the median of `iters` timed rounds after one warm-u
 median of `peer_iters` rounds, no warm-up; it is 10x slower and would dominate the run time):
     {"bench": "catchup", "state_mb": M, "clients": N, "net": "loopback" | "netns", "streams": S,
      "gbps": ..., "seconds": ..., "gbps_by_streams": {"1": ..., "4": ...}, "rounds_by_streams": {..},
-     "wire_gbps": ..., "of_wire": ..., "peer_gbps": ..., "peer_seconds": ...}
+     "local_parts": ..., "tcp_gbps": ..., "wire_gbps": ..., "of_wire": ..., "peer_gbps": ..., "peer_seconds": ...}
 (S, gbps, seconds: the largest --streams setting; rounds_by_streams: each timed round's GB/s.)
 gbps is aggregate: N x state bytes / the slowest client's seconds (1e9 bytes per GB).
 The wire: in every timed round, after the fetches, the same bytes go over S plain TCP
@@ -25,6 +25,10 @@ protocol, no authentication and no copy beyond the kernel's: `wire_gbps` (median
 machine's sockets give, and `of_wire` = gbps / wire_gbps what the authenticated fetch keeps of
 it. On this 2-core machine both ends share the cores, so the two MACs (one per side) cost
 throughput that more cores would hide.
+The fetches use the server's same-host listener (an abstract Unix socket, no MAC over the
+tensor bytes) where the client reaches it, as a replica's do: `local_parts` counts the parts
+that went that way over the timed rounds (0 across network namespaces, or with `--tcp`).
+`tcp_gbps`: the same fetch at S streams forced over TCP with its MACs, in the same rounds.
 """
 from __future__ import annotations
 
@@ -131,8 +135,8 @@ def _client(args: argparse.Namespace) -> None:
             out = {"seconds": 0.0}
         elif cmd == "fetch":
             _, stats = fetch_state(args.client, int(rest[0]), into, secret, args.fetcher, timeout_s=60,
-                                   streams=int(rest[1]))
-            out = {"seconds": stats["seconds"], "bytes": stats["bytes"]}
+                                   streams=int(rest[1]), local=rest[2] == "local")
+            out = {"seconds": stats["seconds"], "bytes": stats["bytes"], "local": stats["local"]}
         elif cmd == "peer":
             out = {"seconds": _peer_fetch(rest[0], into)}
         elif cmd == "wire":
@@ -194,13 +198,16 @@ def _stdout(p: subprocess.Popen) -> IO[str]:
     return p.stdout
 
 
-def _round(clients: list[subprocess.Popen], command: str) -> float:
-    """Send one command to every client at once; the slowest client's seconds."""
+def _round(clients: list[subprocess.Popen], command: str, local: list[int] | None = None) -> float:
+    """Send one command to every client at once; the slowest client's seconds (`local`: gets
+    each client's count of parts fetched over the same-host listener)."""
     for p in clients:
         assert p.stdin is not None  # stdin=PIPE
         p.stdin.write(command + "\n")
         p.stdin.flush()
     results = [json.loads(_stdout(p).readline()) for p in clients]
+    if local is not None:
+        local.extend(r.get("local", 0) for r in results)
     return max(r["seconds"] for r in results)
 
 
@@ -220,26 +227,31 @@ def _start_clients(address: str, n: int, host=None) -> list[subprocess.Popen]:
 
 
 def _case(mb: float, clients: list[subprocess.Popen], iters: int, peer_iters: int, peer: "_PeerServer | None",
-          version: int, streams: list[int], net: str, wire: "_WireServer") -> dict:
+          version: int, streams: list[int], net: str, wire: "_WireServer", local: bool) -> dict:
     n = len(clients)
     _round(clients, f"alloc {mb}")
     nbytes = n * sum(t.numel() * t.element_size() for t in _state_like(mb))
     for k in streams:  # warm-up
-        _round(clients, f"fetch {version} {k}")
+        _round(clients, f"fetch {version} {k} {'local' if local else 'tcp'}")
     top = max(streams)
     _round(clients, f"wire {wire.address} {top}")
+    _round(clients, f"fetch {version} {top} tcp")
     ours: dict[int, list[float]] = {k: [] for k in streams}
     bare: list[float] = []
-    for _ in range(iters):  # paired: each round runs every setting and the wire, one after the other
+    tcp: list[float] = []
+    parts: list[int] = []
+    for _ in range(iters):  # paired: each round runs every setting, TCP and the wire, one after the other
         for k in streams:
-            ours[k].append(_round(clients, f"fetch {version} {k}"))
+            ours[k].append(_round(clients, f"fetch {version} {k} {'local' if local else 'tcp'}", parts))
+        tcp.append(_round(clients, f"fetch {version} {top} tcp"))
         bare.append(_round(clients, f"wire {wire.address} {top}"))
     med = {k: statistics.median(v) for k, v in ours.items()}
-    wire_s = statistics.median(bare)
+    wire_s, tcp_s = statistics.median(bare), statistics.median(tcp)
     out = {"bench": "catchup", "state_mb": mb, "clients": n, "net": net, "streams": top,
            "gbps": round(nbytes / med[top] / 1e9, 3), "seconds": round(med[top], 4),
            "gbps_by_streams": {str(k): round(nbytes / med[k] / 1e9, 3) for k in streams},
            "rounds_by_streams": {str(k): [round(nbytes / x / 1e9, 2) for x in v] for k, v in ours.items()},
+           "local_parts": sum(parts), "tcp_gbps": round(nbytes / tcp_s / 1e9, 3),
            "wire_gbps": round(nbytes / wire_s / 1e9, 3), "of_wire": round(wire_s / med[top], 3)}
     if peer is not None and peer_iters:
         ps = statistics.median([_round(clients, f"peer {peer.address}") for _ in range(peer_iters)])
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, STREAMS],
                     help="parallel connections per fetch, each setting timed in every round")
     ap.add_argument("--netns", action="store_true", help="clients in a network namespace, over a veth and a bridge")
+    ap.add_argument("--tcp", action="store_true", help="the fetches never use the same-host listener")
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as a client of this address
     ap.add_argument("--fetcher", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -286,7 +299,7 @@ def _bench(args: argparse.Namespace, host, bind: str) -> None:
             try:
                 for n in args.clients:
                     case = _case(mb, clients[:n], args.iters, args.peer_iters, peer, version, args.streams,
-                                 "netns" if host is not None else "loopback", wire)
+                                 "netns" if host is not None else "loopback", wire, not args.tcp)
                     print(json.dumps(case), flush=True)
             finally:
                 wire.close()

@@ -39,6 +39,18 @@ order. Each part is one request, on its own connection, with its own nonce:
     404  nothing published        409  another version is published (JSON body: {"error", "version"})
     410  this version was frozen without the tensors a new fetch would need (all expected fetchers finished)
 
+Same host: before its parts, a fetcher asks `GET /local` (header X-LFT-Nonce: <random hex>)
+and gets {"name": "lft-catchup-<random hex>", "tag": hex(HMAC-SHA256(secret,
+f"lft-catchup-local|{nonce}|{name}"))}: the server's second listener, an abstract Unix socket
+with a random name (bound before it is told, so nobody can hold it first), with the same handler.
+A fetcher that verifies the tag and reaches the socket (the same host and network namespace)
+sends every part's request there; otherwise over TCP. On that socket the body MAC covers the
+H + header only, not the tensor bytes: between two processes of one host nobody without root
+alters bytes in flight (and root or the same user can read the trainer's memory anyway). The
+requests are authenticated and the header MAC proves the server holds the secret, as over
+TCP. The MACs are most of a fetch's cost on few cores (`bench.catchup`: `tcp_gbps` against
+`gbps`).
+
 Errors carry a JSON body {"error": str, "version": int | null}. Both directions are
 authenticated, keyed by the job secret and bound to the fetcher's fresh nonce and the part
 (so an old response cannot be replayed, nor one part's response pass as another's). The
@@ -79,8 +91,8 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 from lightning_ft.replica.catchup_server import StateServer
 from lightning_ft.replica.catchup_transport import CatchupTransport
 from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, RECV_CHUNK, SEND_CHUNK, _LEN,
-                                               CatchupError, Part, bytes_of, check_layout, check_meta, pieces,
-                                               request_tag, response_macs, status_error)
+                                               CatchupError, Part, bytes_of, check_layout, check_meta, local_tag,
+                                               log, pieces, request_tag, response_macs, status_error)
 from lightning_ft.threads import Thread
 
 if TYPE_CHECKING:
@@ -100,14 +112,16 @@ PART_MIN_BYTES = 16 << 20
 
 def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secret: bytes, fetcher: str,
                 timeout_s: float = 30.0, param_groups: Optional[list[dict]] = None,
-                streams: Optional[int] = None) -> tuple[dict, dict]:
+                streams: Optional[int] = None, local: bool = True) -> tuple[dict, dict]:
     """Fetch `version` from the StateServer at `address` straight into the preallocated CPU tensors
     `into` (same names, dtypes and shapes, in order; device tensors through host memory). Every
     socket operation is bounded by `timeout_s`. `streams`: parts fetched on parallel
     connections (None: up to `STREAMS`, one per `PART_MIN_BYTES`). Returns (meta, {"bytes",
     "seconds", "gbps", "streams"}), after every MAC verified; with `param_groups` (the local
-    optimizer's), meta is `check_meta`'s, checked before any tensor byte is written. Raises
-    CatchupError."""
+    optimizer's), meta is `check_meta`'s, checked before any tensor byte is written. `local`:
+    ask the server for its same-host listener first and fetch the parts over it when this
+    process reaches it (same host and network namespace): no MAC over the tensor bytes there
+    (stats "local": how many parts went that way). Raises CatchupError."""
     where = f"catch-up from {address} (version {version})"
     if not (fetcher.isascii() and fetcher.isprintable() and fetcher.strip() == fetcher and fetcher):
         raise ValueError(f"fetcher id must be printable ASCII without surrounding spaces, got {fetcher!r}")
@@ -120,6 +134,8 @@ def fetch_state(address: str, version: int, into: dict[str, torch.Tensor], secre
     if not 1 <= n <= MAX_PARTS:
         raise ValueError(f"streams must be between 1 and {MAX_PARTS}, got {streams}")
     fetch = _Fetch(address, version, staged, bytes(secret), fetcher, timeout_s, param_groups, n, where)
+    if local:
+        fetch.local_name = _local_name(address, bytes(secret), timeout_s)
     try:
         out = fetch.run()
     except CatchupError as e:
@@ -134,8 +150,10 @@ class HTTPTransport(CatchupTransport):
     """The job's catch-up transport: a `StateServer` for this rank's state and `fetch_state`
     for a peer's (the wire format: this module's docstring)."""
 
-    def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", name: str = "") -> None:
+    def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", name: str = "", local: bool = True) -> None:
         self._secret = bytes(secret)
+        self.local = local
+        """Fetch over a peer's same-host listener when it is reachable (`fetch_state`)."""
         self.server = StateServer(self._secret, bind_host=bind_host, name=name)
 
     @property
@@ -162,7 +180,7 @@ class HTTPTransport(CatchupTransport):
               timeout_s: float = 30.0, param_groups: Optional[list[dict]] = None,
               streams: Optional[int] = None) -> tuple[dict, dict]:
         return fetch_state(address, version, into, self._secret, fetcher, timeout_s=timeout_s,
-                           param_groups=param_groups, streams=streams)
+                           param_groups=param_groups, streams=streams, local=self.local)
 
 
 class _Stream:
@@ -175,6 +193,7 @@ class _Stream:
         self.header = b""
         self.mac: Optional[Poly1305] = None
         self.lo = self.hi = 0
+        self.family = socket.AF_INET
 
 
 class _Fetch:
@@ -194,6 +213,8 @@ class _Fetch:
         self.sizes = [len(v) for v in self.views]
         self.written = False
         """Some tensor bytes may have been written into `into`."""
+        self.local_name: Optional[str] = None
+        """The server's same-host listener (`_local_name`), tried first for every part."""
         self._lock = threading.Lock()
         self._error: Optional[CatchupError] = None
 
@@ -222,7 +243,8 @@ class _Fetch:
         seconds = time.perf_counter() - t0
         total = sum(self.sizes)
         return meta, {"bytes": total, "seconds": seconds, "gbps": total / max(seconds, 1e-9) / 1e9,
-                      "streams": len(self.streams)}
+                      "streams": len(self.streams),
+                      "local": sum(1 for s in self.streams if s.family == socket.AF_UNIX)}
 
     def _each(self, step: Callable[[_Stream], None]) -> None:
         """Run `step` on every part (in parallel threads if several); raise the first failure.
@@ -272,11 +294,15 @@ class _Fetch:
                                f"moved on — retry in the next round") from e
 
     def _open(self, s: _Stream) -> None:
-        """Connect, ask for the part, read its header and verify the header MAC."""
-        host, _, port = self.address.rpartition(":")
-        s.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+        """Connect (the same-host listener if there is one and it answers, else TCP), ask for the
+        part, read its header and verify the header MAC."""
+        s.sock = _connect_local(self.local_name, self.timeout_s) if self.local_name else None
+        if s.sock is None:
+            host, _, port = self.address.rpartition(":")
+            s.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+        s.family = s.sock.family
         headers = _request_headers(self.secret, self.version, self.fetcher, s.part)
-        s.body = _request(s.sock, self.address, self.version, headers)
+        s.body = _request(s.sock, self.address, f"/state/{self.version}", headers)
         if s.body.status != 200:
             raise _status_error(self.where, s.body)
         raw = _read_header_bytes(s.body, self.where)
@@ -297,9 +323,11 @@ class _Fetch:
                                f"{s.body.remaining - MAC_BYTES} tensor bytes, the layout {s.hi - s.lo}; not a "
                                f"lightning-ft state server of this version")
         before = s.body.remaining
+        # same host: the kernel carries the bytes unaltered, and the body MAC covers the header only
+        mac = None if s.family == socket.AF_UNIX else s.mac
         try:
             for i, a, b in pieces(self.sizes, s.lo, s.hi):
-                _read_exact(s.body, self.views[i][a:b], self.where, f"tensor {self.names[i]!r}", s.mac)
+                _read_exact(s.body, self.views[i][a:b], self.where, f"tensor {self.names[i]!r}", mac)
         finally:
             # every body byte read from here on went into the destination: a server that died
             # before the first one left it as it was (the fetch may be retried, not restarted)
@@ -331,9 +359,48 @@ class _Body:
         return n
 
 
-def _request(sock: socket.socket, address: str, version: int, headers: dict[str, str]) -> _Body:
+def _local_name(address: str, secret: bytes, timeout_s: float) -> Optional[str]:
+    """The same-host listener the server at `address` names (GET /local, its answer tagged with
+    our nonce), or None: an older server, none there, or an answer without the secret's tag
+    (then the fetch goes over TCP, where the MACs decide)."""
+    nonce = secrets.token_hex(16)
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 2.0)) as sock:
+            resp = _request(sock, address, "/local", {"X-LFT-Nonce": nonce})
+            raw = bytearray(min(max(resp.remaining, 0), 4096))
+            _read_exact(resp, memoryview(raw), address, "the same-host answer")
+        if resp.status != 200:
+            return None
+        answer = json.loads(raw)
+        name, tag = str(answer["name"]), str(answer["tag"])
+    except (OSError, ValueError, LookupError, TypeError, CatchupError):
+        return None
+    if not (name.startswith("lft-catchup-") and name.isascii() and name.isprintable()):
+        return None
+    if not hmac.compare_digest(tag.encode(), local_tag(secret, nonce, name).encode()):
+        log.warning("catch-up server %s named a same-host listener without the job secret's tag; fetching over TCP",
+                    address)
+        return None
+    return name
+
+
+def _connect_local(name: str, timeout_s: float) -> Optional[socket.socket]:
+    """A connection to the abstract Unix socket `name`, or None where this process does not reach
+    it (another host or network namespace)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect("\0" + name)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _request(sock: socket.socket, address: str, path: str, headers: dict[str, str]) -> _Body:
     """Send the authenticated GET and read the status line and headers."""
-    lines = [f"GET /state/{int(version)} HTTP/1.0", f"Host: {address}", *(f"{k}: {v}" for k, v in headers.items())]
+    lines = [f"GET {path} HTTP/1.0", f"Host: {address}", *(f"{k}: {v}" for k, v in headers.items())]
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
     raw = b""
     while b"\r\n\r\n" not in raw:

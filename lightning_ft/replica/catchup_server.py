@@ -7,6 +7,7 @@ import hmac
 import json
 import secrets
 import socket
+import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,8 @@ from typing import TYPE_CHECKING, Callable, Optional, cast
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_SKEW_S, SEND_CHUNK, _LEN, Part, bytes_of, log,
-                                               pieces, request_tag, response_macs, spec_of)
+from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_SKEW_S, SEND_CHUNK, _LEN, Part, bytes_of,
+                                               local_tag, log, pieces, request_tag, response_macs, spec_of)
 from lightning_ft.threads import Thread
 
 if TYPE_CHECKING:
@@ -97,6 +98,20 @@ class StateServer:
         self._thread = Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True,
                               name=f"catchup-{self.address}")
         self._thread.start()
+        self.local_name: Optional[str] = None
+        """The same-host listener's abstract Unix socket name (without its leading NUL; random, so
+        it cannot be taken before it is bound), or None where there is none (not Linux)."""
+        self._local: Optional[_LocalHTTPServer] = None
+        try:
+            name = f"lft-catchup-{secrets.token_hex(12)}"
+            self._local = _LocalHTTPServer("\0" + name, _make_handler(self))
+            self.local_name = name
+        except (OSError, AttributeError):  # no abstract Unix sockets here: TCP only
+            self._local = None
+        if self._local is not None:
+            self._local_thread = Thread(target=self._local.serve_forever, args=(0.05,), daemon=True,
+                                        name=f"catchup-local-{self.address}")
+            self._local_thread.start()
 
     # -- owner side (training thread) ------------------------------------------------------------
 
@@ -163,6 +178,10 @@ class StateServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5)
+        if self._local is not None:
+            self._local.shutdown()
+            self._local.server_close()
+            self._local_thread.join(5)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -223,7 +242,8 @@ class StateServer:
             send.busy = True
         try:
             piece = buf[lo:hi]
-            mac.update(piece)  # holds the GIL (~6.5 GB/s from memory); the send releases it
+            if send.sock.family != socket.AF_UNIX:  # same host: the kernel carries the bytes unaltered
+                mac.update(piece)  # holds the GIL (~6.5 GB/s from memory); the send releases it
             send.sock.sendall(piece)
         finally:
             with self._cond:
@@ -282,6 +302,15 @@ class StateServer:
         return fetcher, ""
 
 
+class _LocalHTTPServer(socketserver.ThreadingUnixStreamServer):
+    """The same-host listener (an abstract Unix socket): the same handler as over TCP; a part
+    sent on it carries no MAC over its tensor bytes (the body MAC covers the header only), as
+    nobody without root can alter bytes between two processes of one host. The requests are
+    authenticated, and the header MAC proves the server holds the secret, as over TCP."""
+
+    daemon_threads = True
+
+
 def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = server.request_timeout_s
@@ -297,13 +326,16 @@ def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         def _get(self) -> None:
+            if self.path == "/local":
+                return self._local_name()
             parts = self.path.split("/")
             if len(parts) != 3 or parts[1] != "state" or not parts[2].lstrip("-").isdigit():
                 return self._error(400, "bad request")
             version = int(parts[2])
             fetcher, why = server._check_auth(version, self.headers)
             if fetcher is None:  # the requester learns nothing; the owner's log says why
-                log.warning("%s refused a catch-up request from %s: %s", server.name, self.client_address[0], why)
+                log.warning("%s refused a catch-up request from %s: %s", server.name,
+                            self.client_address[0] if self.client_address else "a local peer", why)
                 return self._error(401, "authentication failed")
             nonce = self.headers["X-LFT-Nonce"]
             part = Part.parse(self.headers.get("X-LFT-Part", ""), nonce)
@@ -314,6 +346,20 @@ def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
                 return self._error(status, err["error"], err["version"])
             server._serve(send, nonce, lambda head_mac, n: self._start(send.pub, head_mac, n),
                           self.wfile.write, lambda: self.rfile.read(1))
+
+        def _local_name(self) -> None:
+            """The same-host listener's name, tagged with the asker's nonce (not secret: any local
+            process can list it; the tag tells the fetcher that a holder of the secret named it)."""
+            nonce = self.headers.get("X-LFT-Nonce", "")
+            if server.local_name is None or not 16 <= len(nonce) <= 128:
+                return self._error(404, "no same-host listener" if nonce else "missing X-LFT-Nonce")
+            body = json.dumps({"name": server.local_name,
+                               "tag": local_tag(server._secret, nonce, server.local_name)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def _start(self, pub: _Publication, head_mac: bytes, nbytes: int) -> None:
             self.send_response(200)

@@ -130,6 +130,12 @@ def request_tag(secret: bytes, version: int, fetcher: str, nonce: str, stamp: st
     return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
 
 
+def local_tag(secret: bytes, nonce: str, name: str) -> str:
+    """The tag of a server's answer to GET /local: its same-host (Unix socket) name, bound to
+    the asker's nonce."""
+    return hmac.new(secret, f"lft-catchup-local|{nonce}|{name}".encode(), hashlib.sha256).hexdigest()
+
+
 def response_macs(secret: bytes, nonce: str, version: int, header: bytes, part: "Part") -> tuple[bytes, Poly1305]:
     """(header MAC, body MAC in progress: the header is in it, the part's tensor bytes follow).
 

@@ -32,12 +32,13 @@ def test_ftar_bench_runs_ftar_and_gloo_side_by_side():
         assert len(r["loadavg"].split()) == 3
 
 
-def test_catchup_bench_prints_the_fetch_beside_the_bare_wire_and_the_torch_save_peer():
+def test_catchup_bench_prints_the_fetch_beside_tcp_the_bare_wire_and_the_torch_save_peer():
     rows = run_bench("lightning_ft.bench.catchup", "--mb", "16", "--clients", "1", "--iters", "1",
                      "--streams", "1", "2")
     (r,) = rows
     assert r["bench"] == "catchup" and r["state_mb"] == 16 and r["streams"] == 2 and r["net"] == "loopback"
-    assert r["gbps"] > 0 and r["wire_gbps"] > 0 and r["peer_gbps"] > 0
+    assert r["gbps"] > 0 and r["wire_gbps"] > 0 and r["peer_gbps"] > 0 and r["tcp_gbps"] > 0
+    assert r["local_parts"] == 1 + 2  # one timed round: its 1- and 2-stream fetches over the same-host listener
     assert set(r["gbps_by_streams"]) == {"1", "2"}
     # of_wire is the quotient of the two unrounded medians
     assert r["of_wire"] == pytest.approx(r["gbps"] / r["wire_gbps"], rel=0.02)

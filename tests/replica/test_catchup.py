@@ -334,7 +334,9 @@ def test_a_server_without_the_secret_never_writes_into_the_fetcher(monkeypatch):
 
 class _Tamper:
     """A TCP proxy that flips one byte of the server's response at `offset` (counted from the
-    first byte of the body, after the HTTP headers)."""
+    first byte of the body, after the HTTP headers). It stands for a network between two
+    hosts, so the fetches through it pass local=False: on one host a fetch asks the server for
+    its same-host listener and goes around any proxy."""
 
     def __init__(self, upstream: str, offset: int, conns: int = 1, tamper: int = 0) -> None:
         """`conns` connections are forwarded; the `tamper`-th accepted one is altered."""
@@ -392,7 +394,7 @@ def test_a_response_altered_in_flight_is_refused(server, where):
     proxy = _Tamper(server.address, offset)
     into = _like(state)
     with pytest.raises(CatchupError) as e:
-        fetch_state(proxy.address, 3, into, SECRET, "r1/rank0")
+        fetch_state(proxy.address, 3, into, SECRET, "r1/rank0", local=False)
     if where == "header":
         assert "header MAC mismatch" in str(e.value) and not e.value.partial
     else:  # the tensor bytes were written, but never acknowledged nor to be used: the replica restarts
@@ -503,7 +505,7 @@ def test_one_altered_part_ends_the_parallel_fetch_partial_and_nothing_is_acked(s
     proxy = _Tamper(server.address, offset, conns=3, tamper=tamper)
     into = {n: torch.zeros_like(t) for n, t in state.items()}
     with pytest.raises(CatchupError, match="body MAC mismatch") as e:
-        fetch_state(proxy.address, 3, into, SECRET, "r1/rank0", streams=3, timeout_s=5)
+        fetch_state(proxy.address, 3, into, SECRET, "r1/rank0", streams=3, timeout_s=5, local=False)
     assert e.value.partial, "bytes were written: the replica must vote LOST"
     time.sleep(0.2)  # an ACK would have arrived by now
     assert server.completed() == set() and not server._pub.acked, "no part was acknowledged"
@@ -605,8 +607,74 @@ def test_a_source_that_dies_before_the_first_tensor_byte_leaves_the_fetch_retrya
     address, t = _truncating_proxy(server.address, tensor_bytes)
     into = {"w": torch.full((1 << 12,), 7.0)}
     with pytest.raises(CatchupError, match="body truncated in tensor 'w'") as e:
-        fetch_state(address, 4, into, SECRET, "r1/rank0", streams=1, timeout_s=5)
+        fetch_state(address, 4, into, SECRET, "r1/rank0", streams=1, timeout_s=5, local=False)
     t.join(5)
     assert e.value.partial == (tensor_bytes > 0)
     untouched = torch.equal(into["w"], torch.full((1 << 12,), 7.0))
     assert untouched == (tensor_bytes == 0)
+
+
+# -- the same-host listener ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_same_host_fetch_goes_over_the_local_listener_bitwise_and_completes(server, streams):
+    state = _state(5)
+    server.publish(6, state, META, expected={"r1/rank0"})
+    assert server.local_name is not None and server.local_name.startswith("lft-catchup-")
+    into = _like(state)
+    meta, stats = fetch_state(server.address, 6, into, SECRET, "r1/rank0", streams=streams)
+    assert stats["local"] == streams and stats["streams"] == streams
+    assert _bitwise_equal(into, state) and meta == META
+    assert _wait_completed(server, {"r1/rank0"}) == {"r1/rank0"}
+    # the same fetch over TCP (local=False): no part goes the local way
+    into = _like(state)
+    _, stats = fetch_state(server.address, 6, into, SECRET, "r2/rank0", streams=streams, local=False)
+    assert stats["local"] == 0 and _bitwise_equal(into, state)
+
+
+def test_the_local_answer_is_trusted_only_with_the_secrets_tag(server):
+    from lightning_ft.replica.catchup import _local_name
+
+    assert _local_name(server.address, SECRET, 2.0) == server.local_name
+    assert _local_name(server.address, b"another-secret", 2.0) is None  # the tag does not verify
+    impostor = StateServer(b"another-secret")
+    try:
+        impostor.publish(1, _state(), {})
+        # an impostor's listener is never used (and it refuses our request over TCP)
+        assert _local_name(impostor.address, SECRET, 2.0) is None
+        with pytest.raises(CatchupError, match="authentication refused"):
+            fetch_state(impostor.address, 1, _like(_state()), SECRET, "r1/rank0")
+    finally:
+        impostor.close()
+
+
+def test_a_local_listener_that_does_not_answer_falls_back_to_tcp(server, monkeypatch):
+    """Another host or network namespace does not reach the server's abstract socket: the parts
+    go over TCP, with the MACs over every byte."""
+    import lightning_ft.replica.catchup as catchup
+
+    state = _state(2)
+    server.publish(2, state, {})
+    monkeypatch.setattr(catchup, "_local_name", lambda *a: "lft-catchup-nobody-listens-here")
+    into = _like(state)
+    _, stats = fetch_state(server.address, 2, into, SECRET, "r1/rank0", streams=2)
+    assert stats["local"] == 0 and _bitwise_equal(into, state)
+
+
+def test_the_local_listener_refuses_what_tcp_refuses(server):
+    """The same handler: unauthenticated and wrong-version requests over the local listener get
+    the same answers."""
+    server.publish(3, _state(), {})
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect("\0" + server.local_name)
+    with sock:
+        sock.sendall(b"GET /state/3 HTTP/1.0\r\nX-LFT-Fetcher: r1/rank0\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.0 401")
+    from lightning_ft.replica.catchup import _connect_local, _request
+
+    sock = _connect_local(server.local_name, 5.0)
+    assert sock is not None
+    with sock:
+        resp = _request(sock, server.address, "/state/4", _request_headers(SECRET, 4, "r1/rank0"))
+        assert resp.status == 409
