@@ -10,14 +10,17 @@ it to answer and stops it cleanly. Used by the test fixtures, by `lightning-ft e
   can require client certificates.
 - `EtcdCluster` runs N members with one initial cluster (member i: client port P+2i and peer
   port P+2i+1 when a port P is given, so a restart on the same data finds its peers again). It
-  knows which member leads, and `restart_dead()` brings a crashed member back on its data so it
-  rejoins. Three members keep serving when any one of them is lost.
+  knows which member leads, and `heal_dead()` replaces a crashed member by an empty one that
+  rejoins (a lone member: `restart_dead()` brings it back on its data). Three members keep
+  serving when any one of them is lost.
 
 Every member also serves /health and /metrics in plaintext on a loopback port of its own,
 which is how readiness and leadership are probed even when the client port requires TLS.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -119,10 +122,15 @@ class EtcdServerOptions:
     heartbeat_ms: int = 100
     election_ms: int = 500
     """etcd refuses an election timeout under 5 heartbeats (or over 50 s)."""
+    initial_cluster_state: str = "new"
+    """`--initial-cluster-state`: "existing" for a member added to a running cluster
+    (`EtcdCluster.replace_dead`)."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("an etcd member needs a name")
+        if self.initial_cluster_state not in ("new", "existing"):
+            raise ValueError(f"initial_cluster_state must be 'new' or 'existing', not {self.initial_cluster_state!r}")
         if self.heartbeat_ms <= 0:
             raise ValueError(f"heartbeat_ms={self.heartbeat_ms} must be > 0")
         if not 5 * self.heartbeat_ms <= self.election_ms <= 50_000:
@@ -196,6 +204,7 @@ class EtcdServer:
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.initial_cluster,
             "--initial-cluster-token", self.cluster_token,
+            "--initial-cluster-state", self.options.initial_cluster_state,
             "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
             "--heartbeat-interval", str(self.heartbeat_ms),
             "--election-timeout", str(self.election_ms),
@@ -334,6 +343,7 @@ class EtcdCluster:
     def __init__(self, members: int = 3, host: str = "127.0.0.1", port: int = 0, data_dir: Optional[str] = None,
                  binary: Optional[str] = None, *, unsafe_no_fsync: bool = True,
                  tls: Optional[ServerTLS] = None) -> None:
+        self.tls = tls
         if members < 1:
             raise ValueError(f"an etcd cluster needs at least 1 member, not {members}")
         self._own_dir = data_dir is None
@@ -389,20 +399,80 @@ class EtcdCluster:
         on its data, without waiting; it rejoins the cluster by itself. Returns (index, exit
         code) of each. Raises RuntimeError, with its log, for a member in a crash loop."""
         out = []
-        now = time.monotonic()
-        limit, window = self.CRASH_LOOP
         for i, s in enumerate(self.servers):
             if s.proc is None or s.proc.poll() is None:
                 continue
-            recent = [t for t in self._restarts.get(i, []) if now - t < window] + [now]
-            if len(recent) > limit:
-                raise RuntimeError(f"etcd member {s.name} exited {len(recent)} times within {window:.0f}s; not "
-                                   f"restarting it again. Its log ({s.log_path}):\n" + s.log_tail())
-            self._restarts[i] = recent
+            self._count_restart(i)
             code = s.proc.returncode
             s.start(wait=False)
             out.append((i, code))
         return out
+
+    def heal_dead(self) -> list[tuple[int, Optional[int]]]:
+        """Bring back every member whose process exited: replaced by an empty member when it has
+        peers (`replace_dead`, plaintext), restarted on its data when it is the only one or the
+        cluster serves TLS (`restart_dead`). Returns (index, exit code) of each; RuntimeError for
+        a member in a crash loop."""
+        return self.replace_dead() if self.heals_by_replacing else self.restart_dead()
+
+    @property
+    def heals_by_replacing(self) -> bool:
+        """What `heal_dead` does with a dead member: replace it (True) or restart it on its data."""
+        return len(self.servers) > 1 and self.tls is None
+
+    def replace_dead(self, timeout_s: float = 30.0) -> list[tuple[int, Optional[int]]]:
+        """Replace every member whose process exited (not those stopped), as an operator replaces a
+        crashed one: remove it from the cluster, delete its data, add it back (same name and
+        URLs) and start it empty; the leader sends it a snapshot. Returns (index, exit code) of
+        each; RuntimeError in a crash loop or when etcd refuses for `timeout_s`. Restarting a
+        member killed under load on its data can diverge with etcd 3.5.0-3.5.2 (etcd-io/etcd#13766):
+        the soak (seed 47) saw a transaction fail on that member and succeed on the others."""
+        if self.tls is not None:
+            raise NotImplementedError("replace_dead drives etcdctl over plaintext; this cluster serves TLS")
+        out: list[tuple[int, Optional[int]]] = []
+        for i, s in enumerate(self.servers):
+            if s.proc is None or s.proc.poll() is None:
+                continue
+            self._count_restart(i)
+            code = s.proc.returncode
+            members = json.loads(self._etcdctl(s.name, timeout_s, "member", "list", "-w", "json")).get("members", [])
+            for m in members:
+                if m.get("name") == s.name or s.peer_url in m.get("peerURLs", []):
+                    self._etcdctl(s.name, timeout_s, "member", "remove", f"{int(m['ID']):x}")
+            self._etcdctl(s.name, timeout_s, "member", "add", s.name, f"--peer-urls={s.peer_url}")
+            shutil.rmtree(os.path.join(s.data_dir, "data"), ignore_errors=True)
+            s.options = dataclasses.replace(s.options, initial_cluster_state="existing")
+            s.start(wait=False)
+            out.append((i, code))
+        return out
+
+    def _count_restart(self, i: int) -> None:
+        """One more restart of member i; RuntimeError, with its log, once it is in a crash loop."""
+        now = time.monotonic()
+        limit, window = self.CRASH_LOOP
+        recent = [t for t in self._restarts.get(i, []) if now - t < window] + [now]
+        if len(recent) > limit:
+            s = self.servers[i]
+            raise RuntimeError(f"etcd member {s.name} exited {len(recent)} times within {window:.0f}s; not "
+                               f"restarting it again. Its log ({s.log_path}):\n" + s.log_tail())
+        self._restarts[i] = recent
+
+    def _etcdctl(self, replacing: str, timeout_s: float, *args: str) -> str:
+        """etcdctl against the running members; its output. A cluster that has just lost its
+        leader (or a member) refuses a reconfiguration as "unhealthy" for a moment: retried
+        until `timeout_s`, then RuntimeError with etcdctl's error."""
+        ctl = os.path.join(os.path.dirname(self.servers[0].binary), "etcdctl")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = ",".join(o.endpoint for o in self.servers if o.running)
+            res = subprocess.run([ctl, "--endpoints", live, "--command-timeout", "5s", *args],
+                                 capture_output=True, text=True, timeout=30)
+            if res.returncode == 0:
+                return res.stdout
+            if time.monotonic() >= deadline or "unhealthy cluster" not in res.stderr and "leader" not in res.stderr:
+                raise RuntimeError(f"etcdctl {' '.join(args)} failed while replacing {replacing}: "
+                                   f"{res.stderr.strip()[-500:]}")
+            time.sleep(0.2)
 
     def stop(self) -> None:
         """Stop the followers, then the leader: a leader stopping first hands its leadership

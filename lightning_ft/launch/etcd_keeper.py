@@ -2,8 +2,9 @@
 supervision"): what `lightning-ft run` does about it.
 
 - Without an endpoint it starts an embedded cluster of `etcd.members` members on loopback
-  (1 by default; 3 survive the loss of any one) and restarts a member that dies, on its data,
-  so that it rejoins.
+  (1 by default; 3 survive the loss of any one) and brings back a member that dies: with
+  peers it is replaced by an empty member that rejoins (`EtcdCluster.heal_dead`), a lone one
+  restarts on its data.
 - It builds the supervisor's store from the job's `etcd` config (TLS, auth, connect timeout)
   and gives the replicas what they need to build theirs (LFT_ETCD, LFT_ETCD_PASSWORD).
 - It notices an outage longer than `etcd.connect_timeout_s`. The replicas ride out a shorter
@@ -40,6 +41,9 @@ class EtcdKeeper:
         self._last_ok = time.monotonic()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._healer: Optional[threading.Thread] = None
+        self._heal_lock = threading.Lock()
+        self._closing = False
         self.lost: Optional[str] = None
         """Why the job must stop (etcd unreachable too long, a member in a crash loop), or None."""
 
@@ -61,6 +65,9 @@ class EtcdKeeper:
             raise
         self._thread = Thread(target=self._probe_loop, name="lft-etcd-probe", daemon=True)
         self._thread.start()
+        if self.cluster is not None:
+            self._healer = Thread(target=self._heal_loop, args=(self.cluster,), name="lft-etcd-heal", daemon=True)
+            self._healer.start()
         return self.endpoint
 
     def describe(self) -> str:
@@ -84,18 +91,29 @@ class EtcdKeeper:
             except StoreError:
                 pass
 
+    def _heal_loop(self, c: EtcdCluster) -> None:
+        """Bring dead embedded members back (`EtcdCluster.heal_dead`), off the supervision loop:
+        replacing a member takes etcd a second or more. This thread lives as long as the
+        cluster, as the members it starts must (they die with the thread that started them).
+        A crash loop stops the job (`lost`)."""
+        how = ("replaced it by an empty member, which rejoins the cluster" if c.heals_by_replacing
+               else "restarted it on its data to rejoin the cluster")
+        while not self._stop.wait(0.2):
+            with self._heal_lock:
+                if self._closing:
+                    return
+                try:
+                    for i, code in c.heal_dead():
+                        self._say(f"lightning-ft: etcd member {c.servers[i].name} exited (code {code}); {how}")
+                except RuntimeError as e:
+                    self.lost = str(e)
+                    return
+
     def tick(self) -> bool:
-        """Restart dead embedded members; True when the job must stop (see `lost`)."""
+        """True when the job must stop (see `lost`); dead embedded members are brought back by
+        the heal thread."""
         if self.lost is not None:
             return True
-        if self.cluster is not None:
-            try:
-                for i, code in self.cluster.restart_dead():
-                    self._say(f"lightning-ft: etcd member {self.cluster.servers[i].name} exited (code {code}); "
-                              "restarted it on its data to rejoin the cluster")
-            except RuntimeError as e:
-                self.lost = str(e)
-                return True
         down = time.monotonic() - self._last_ok
         limit = float(self.cfg.connect_timeout_s) + 1.0
         if down > limit:
@@ -114,9 +132,11 @@ class EtcdKeeper:
         return f"lightning-ft run: {self.lost}: stopped the job; {where}"
 
     def close(self) -> None:
+        with self._heal_lock:  # no heal in flight, and none after: then the members stop, and
+            self._closing = True  # only then the healer (the members it started die with it)
+            if self.cluster is not None:
+                self.cluster.cleanup()
         self._stop.set()
         for s in (self._probe, self.store):
             if s is not None:
                 s.close()
-        if self.cluster is not None:
-            self.cluster.cleanup()

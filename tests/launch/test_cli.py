@@ -197,7 +197,7 @@ def test_lightning_ft_etcd_members_3_restarts_a_killed_member(procs):
     try:
         os.kill(members["m1"], signal.SIGKILL)
         s.put("/while-m1-down", b"1")
-        assert "member m1 exited (code -9); restarted it on its data to rejoin" in readline(p.stderr)
+        assert "member m1 exited (code -9); replaced it by an empty member, which rejoins" in readline(p.stderr)
         back = EtcdStore(f"127.0.0.1:{port + 2}", connect_timeout_s=10)
         try:
             assert back.get("/while-m1-down").value == b"1"
