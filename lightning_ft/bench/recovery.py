@@ -11,7 +11,11 @@ SIGKILLs (replicas 1 and 2 in turn), each healed by a warm spare (coord/standby.
 beforehand and promoted as soon as the killed one is reaped; then `--zygote-kills` SIGKILLs,
 each restarted cold but forked from a zygote that imported torch (launch/zygote.py, what
 `lightning-ft run` does with supervisor.zygote). Printed as one JSON line:
-    {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s",
+    {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s" (the median
+     over every rejoin: the cold restart's and each heal's; "rejoin_stall_all_s" each,
+     "rejoin_stall_of_step" the median over the median step),
+     "rejoin_parts_ms", "steady_parts_ms" (the rejoin step's quorum/reconf/exchange/freeze against
+     the median steady step's, on healthy replica 0),
      "heal_cold_s", "heal_standby_s", "heal_standby_all_s", "kill_stall_standby_s",
      "heal_cold_zygote_s", "heal_cold_zygote_all_s", "restart_breakdown_zygote",
      "restart_breakdown": {"total_s", "python", "torch", ...}, "catchup_gbps", "catchup_s", "state_mb", ...}
@@ -47,6 +51,15 @@ def _gap_around(rows: list[dict], t0: float, t1: float) -> float:
     return max(gaps) if gaps else 0.0
 
 
+PARTS = ("quorum_ms", "reconf_ms", "exchange_ms", "freeze_ms")
+"""A step row's timed parts (examples/plain_loop.py): where a rejoin step's time went."""
+
+
+def _parts(*rows: dict) -> dict[str, float]:
+    """The median of each timed part over `rows` (a healthy replica's step rows)."""
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 2) for k in PARTS}
+
+
 def _stall(rows: list[dict], t0: float, t1: float, step_s: float) -> float:
     """Seconds a healthy replica lost to an event in [t0, t1]: the longest gap between its
     committed steps that overlaps the window, beyond a median step. Never negative: steps
@@ -55,10 +68,11 @@ def _stall(rows: list[dict], t0: float, t1: float, step_s: float) -> float:
     return max(0.0, _gap_around(rows, t0, t1) - step_s)
 
 
-def _standby_heal(job: Job, k: int, rid: int, a: argparse.Namespace) -> tuple[float, float]:
+def _standby_heal(job: Job, k: int, rid: int, a: argparse.Namespace) -> tuple[float, float, float]:
     """A warm spare (coord/standby.py) started and registered; SIGKILL replica `rid`, evict it
     and promote the spare as soon as it is reaped (what the supervisor does with one). Returns
-    (heal: the kill to the promoted incarnation's first step row, replica 0's kill stall)."""
+    (heal: the kill to the promoted incarnation's first step row, replica 0's kill stall, its
+    rejoin stall)."""
     token = f"s{k}"
     job.start_spare(token)
     job.wait_spare(token, a.timeout)
@@ -74,13 +88,22 @@ def _standby_heal(job: Job, k: int, rid: int, a: argparse.Namespace) -> tuple[fl
     r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
     gone = [x for x in r0.steps() if x["t"] > t_kill and rid not in x["members"]]
     t_gone = gone[0]["t"] if gone else first["t"]
-    return round(first["t"] - t_kill, 3), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4)
+    return (round(first["t"] - t_kill, 3), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4),
+            _rejoin_stall(r0, rid, t_kill, step_s))
 
 
-def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict]:
+def _rejoin_stall(r0, rid: int, t_kill: float, step_s: float) -> float:
+    """Healthy replica 0's step in which `rid` rejoined (lagging) after `t_kill`, beyond a
+    median step (never negative)."""
+    row = next(x for x in r0.steps() if x["t"] > t_kill and rid in x.get("lagging", []))
+    return round(max(0.0, row["dt"] - step_s), 4)
+
+
+def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict, float]:
     """SIGKILL replica `rid`, evict it, and restart it `--restart-delay` after the kill forked
     from the zygote (launch/zygote.py: torch already imported), as `lightning-ft run` restarts.
-    Returns (heal: the kill to the new incarnation's first step row, its restart breakdown)."""
+    Returns (heal: the kill to the new incarnation's first step row, its restart breakdown,
+    replica 0's rejoin stall)."""
     inc = job.replicas[rid].inc + 1
     t_kill = time.time()
     job.replicas[rid].signal(signal.SIGKILL)
@@ -91,8 +114,11 @@ def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict
     first = new.wait_for(lambda x: x.get("event") == "step", a.timeout)
     breakdown = new.wait_for(lambda x: x.get("event") == "restart_breakdown", a.timeout)
     back = new.wait_for(lambda x: x.get("event") == "step" and not x["lag"], a.timeout)
-    job.replicas[0].wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
-    return round(first["t"] - t_kill, 3), {"total_s": breakdown["total_s"], **breakdown["parts"]}
+    r0 = job.replicas[0]
+    r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
+    step_s = statistics.median([x["dt"] for x in r0.steps() if x["t"] < t_kill][-20:])
+    return (round(first["t"] - t_kill, 3), {"total_s": breakdown["total_s"], **breakdown["parts"]},
+            _rejoin_stall(r0, rid, t_kill, step_s))
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -142,19 +168,23 @@ def run(a: argparse.Namespace) -> dict:
             rows = r0.steps()
             heals = [_standby_heal(job, k, 1 + k % 2, a) for k in range(a.standby_kills)]
             forked = [_zygote_heal(job, 1 + k % 2, a) for k in range(a.zygote_kills)]
+            # one rejoin is one sample of a noisy step: the cold one's and every heal's
+            rejoins = [round(max(0.0, rejoin_row["dt"] - step_s), 4)] + [h[-1] for h in heals + forked]
             return {
                 "bench": "recovery", "replicas": 3, "ttl_s": a.ttl, "state_mb": round(lag1["state_mb"], 1),
                 "step_s": round(step_s, 4),
                 "kill_stall_s": round(_stall(rows, t_kill, gone["t"], step_s), 4),
                 "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4),
-                "rejoin_stall_s": round(max(0.0, rejoin_row["dt"] - step_s), 4),
+                "rejoin_stall_s": round(statistics.median(rejoins), 4),
+                "rejoin_stall_all_s": rejoins, "rejoin_stall_of_step": round(statistics.median(rejoins) / step_s, 3),
                 "rejoin_step_s": round(rejoin_row["dt"], 4),
+                "rejoin_parts_ms": _parts(rejoin_row), "steady_parts_ms": _parts(*r0.steps()[a.warmup:n_kill]),
                 "heal_cold_s": round(first1["t"] - t_kill, 3),
-                "heal_standby_s": round(statistics.median(h for h, _ in heals), 3) if heals else None,
-                "heal_standby_all_s": [h for h, _ in heals],
-                "kill_stall_standby_s": [st for _, st in heals],
-                "heal_cold_zygote_s": round(statistics.median(h for h, _ in forked), 3) if forked else None,
-                "heal_cold_zygote_all_s": [h for h, _ in forked],
+                "heal_standby_s": round(statistics.median(h[0] for h in heals), 3) if heals else None,
+                "heal_standby_all_s": [h[0] for h in heals],
+                "kill_stall_standby_s": [h[1] for h in heals],
+                "heal_cold_zygote_s": round(statistics.median(h[0] for h in forked), 3) if forked else None,
+                "heal_cold_zygote_all_s": [h[0] for h in forked],
                 "restart_breakdown_zygote": forked[len(forked) // 2][1] if forked else None,
                 "restart_delay_s": a.restart_delay,
                 "restart_breakdown": {"total_s": breakdown["total_s"], **breakdown["parts"]},

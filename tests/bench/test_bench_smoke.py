@@ -60,6 +60,13 @@ def test_recovery_bench_quick_meets_its_stall_bounds():
     assert r["kill_stall_s"] < 1.0
     assert r["hang_stall_s"] <= r["ttl_s"] + 1.0
     assert r["catchup_gbps"] > 0
+    # the rejoin stall is the median over every rejoin: the cold restart's, the spare's, the forked ones'
+    import statistics
+
+    assert len(r["rejoin_stall_all_s"]) == 2 + len(r["heal_cold_zygote_all_s"])
+    assert min(r["rejoin_stall_all_s"]) >= 0.0
+    assert r["rejoin_stall_s"] == pytest.approx(statistics.median(r["rejoin_stall_all_s"]), abs=1e-4)
+    assert set(r["rejoin_parts_ms"]) == {"quorum_ms", "reconf_ms", "exchange_ms", "freeze_ms"}
 
 
 @pytest.mark.timeout(600)
