@@ -205,7 +205,8 @@ def main(argv: list[str]) -> int:
                         ftar_connect_timeout_s=cfg.ftar.connect_timeout_s, lr_intervention=a.lr_mode,
                         chunk_bytes=a.chunk_bytes, num_chunks=4, digest_every=a.digest_every,
                         bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
-                        stragglers=cfg.stragglers, hang_report_after_s=cfg.hang.report_after_s)
+                        stragglers=cfg.stragglers, hang_report_after_s=cfg.hang.report_after_s,
+                        hang_timeout_s=cfg.etcd.hang_timeout_s)
     mgr = ReplicaManager(model, opt, who, settings, group=ReplicaGroup(rank, world, pg), run_dir=renv.run_dir)
     if renv.standby and rank == 0:
         emit(event="standby", token=renv.standby)

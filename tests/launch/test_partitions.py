@@ -64,7 +64,12 @@ class Job:
                 [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", "3", "--nproc-per-replica",
                  "1", "--etcd", self.etcd, "--replica-ids", str(rid), "--job", self.job, "--run-dir",
                  str(self.dirs[rid]), "--no-status", "--timeout", "400", "--max-restarts", "5", LOOP, *LOOP_ARGS,
-                 "--steps", str(steps), "failure.restart_delay_s=0.2", "etcd.connect_timeout_s=30"],
+                 "--steps", str(steps), "failure.restart_delay_s=0.2", "etcd.connect_timeout_s=30",
+                 # A round that fails on the cut waits for a connection the cut swallows
+                 # (ftar.connect_timeout_s), and a member waiting for a first chunk over it leaves
+                 # when its lease lapses, hang_timeout_s after its last progress. 2 s and 10 s,
+                 # not 5 s and 30 s: the cut test took 48-79 s, now about 40 (same mechanisms).
+                 "ftar.connect_timeout_s=2", "etcd.hang_timeout_s=10"],
                 env=clean_env(LFT_SECRET_FILE=str(self.secret)), stdout=open(tmp_path / f"launcher{rid}.log", "w"),
                 stderr=subprocess.STDOUT))
 
