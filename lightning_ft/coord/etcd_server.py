@@ -19,8 +19,6 @@ which is how readiness and leadership are probed even when the client port requi
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -402,7 +400,7 @@ class EtcdCluster:
         for i, s in enumerate(self.servers):
             if s.proc is None or s.proc.poll() is None:
                 continue
-            self._count_restart(i)
+            self.count_restart(i)
             code = s.proc.returncode
             s.start(wait=False)
             out.append((i, code))
@@ -421,32 +419,14 @@ class EtcdCluster:
         return len(self.servers) > 1 and self.tls is None
 
     def replace_dead(self, timeout_s: float = 30.0) -> list[tuple[int, Optional[int]]]:
-        """Replace every member whose process exited (not those stopped), as an operator replaces a
-        crashed one: remove it from the cluster, delete its data, add it back (same name and
-        URLs) and start it empty; the leader sends it a snapshot. Returns (index, exit code) of
-        each; RuntimeError in a crash loop or when etcd refuses for `timeout_s`. Restarting a
-        member killed under load on its data can diverge with etcd 3.5.0-3.5.2 (etcd-io/etcd#13766):
-        the soak (seed 47) saw a transaction fail on that member and succeed on the others."""
-        if self.tls is not None:
-            raise NotImplementedError("replace_dead drives etcdctl over plaintext; this cluster serves TLS")
-        out: list[tuple[int, Optional[int]]] = []
-        for i, s in enumerate(self.servers):
-            if s.proc is None or s.proc.poll() is None:
-                continue
-            self._count_restart(i)
-            code = s.proc.returncode
-            members = json.loads(self._etcdctl(s.name, timeout_s, "member", "list", "-w", "json")).get("members", [])
-            for m in members:
-                if m.get("name") == s.name or s.peer_url in m.get("peerURLs", []):
-                    self._etcdctl(s.name, timeout_s, "member", "remove", f"{int(m['ID']):x}")
-            self._etcdctl(s.name, timeout_s, "member", "add", s.name, f"--peer-urls={s.peer_url}")
-            shutil.rmtree(os.path.join(s.data_dir, "data"), ignore_errors=True)
-            s.options = dataclasses.replace(s.options, initial_cluster_state="existing")
-            s.start(wait=False)
-            out.append((i, code))
-        return out
+        """Replace every member whose process exited by an empty one (`etcd_members.replace_dead`:
+        restarted on its data, a member killed under load can diverge with etcd 3.5.0-3.5.2).
+        Returns (index, exit code) of each; RuntimeError in a crash loop or when etcd refuses."""
+        from lightning_ft.coord.etcd_members import replace_dead
 
-    def _count_restart(self, i: int) -> None:
+        return replace_dead(self, timeout_s)
+
+    def count_restart(self, i: int) -> None:
         """One more restart of member i; RuntimeError, with its log, once it is in a crash loop."""
         now = time.monotonic()
         limit, window = self.CRASH_LOOP
@@ -456,23 +436,6 @@ class EtcdCluster:
             raise RuntimeError(f"etcd member {s.name} exited {len(recent)} times within {window:.0f}s; not "
                                f"restarting it again. Its log ({s.log_path}):\n" + s.log_tail())
         self._restarts[i] = recent
-
-    def _etcdctl(self, replacing: str, timeout_s: float, *args: str) -> str:
-        """etcdctl against the running members; its output. A cluster that has just lost its
-        leader (or a member) refuses a reconfiguration as "unhealthy" for a moment: retried
-        until `timeout_s`, then RuntimeError with etcdctl's error."""
-        ctl = os.path.join(os.path.dirname(self.servers[0].binary), "etcdctl")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            live = ",".join(o.endpoint for o in self.servers if o.running)
-            res = subprocess.run([ctl, "--endpoints", live, "--command-timeout", "5s", *args],
-                                 capture_output=True, text=True, timeout=30)
-            if res.returncode == 0:
-                return res.stdout
-            if time.monotonic() >= deadline or "unhealthy cluster" not in res.stderr and "leader" not in res.stderr:
-                raise RuntimeError(f"etcdctl {' '.join(args)} failed while replacing {replacing}: "
-                                   f"{res.stderr.strip()[-500:]}")
-            time.sleep(0.2)
 
     def stop(self) -> None:
         """Stop the followers, then the leader: a leader stopping first hands its leadership
