@@ -34,8 +34,8 @@ from typing import Any, Optional
 from . import keys
 from .quorum import (Decision, Halt, History, Quorum, Report, compute_quorum, decode_round, waiting_for)
 from .store import LeaseExpired, StoreError
-from lightning_ft.coord.membership import (ConfigMismatch, Evicted, JobFinished, JobHalted, Membership,
-                                           MembershipSettings, QuorumTimeout)
+from lightning_ft.coord.membership import (ConfigMismatch, CoordinatorClosed, Evicted, JobFinished, JobHalted,
+                                           Membership, MembershipSettings, QuorumTimeout)
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ KEEP_ROUNDS = 32
 """Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
 
 
-__all__ = ["ConfigMismatch", "Coordinator", "Evicted", "JobFinished", "JobHalted", "MembershipSettings",
-           "QuorumTimeout"]
+__all__ = ["ConfigMismatch", "Coordinator", "CoordinatorClosed", "Evicted", "JobFinished", "JobHalted",
+           "MembershipSettings", "QuorumTimeout"]
 
 
 class Coordinator(Membership):
@@ -84,6 +84,9 @@ class Coordinator(Membership):
         last_eval = started
         first = True
         while True:
+            if self._stop.is_set():  # closed (the process exits): Python's exit would join this thread
+                raise CoordinatorClosed(f"replica {self.rid}: the coordinator was closed while round "
+                                        f"{self._own_report.round} waited")
             if first or self._clock() - last_get >= self._slow_poll_s:
                 self._check_finished()
             self.heartbeat()

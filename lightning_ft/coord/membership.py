@@ -35,6 +35,10 @@ class JobFinished(RuntimeError):
     """The job already trained to completion (`finished` key): a late replica has nothing to do."""
 
 
+class CoordinatorClosed(RuntimeError):
+    """The process closed its coordinator (it is exiting) while a quorum call still waited."""
+
+
 class JobHalted(RuntimeError):
     """The job must stop: a decision every replica obeys (replica states diverged with no
     majority). The message says why and what to do."""
@@ -366,8 +370,10 @@ class Membership:
         return keys.round_of(kvs[-1].key) if kvs else -1
 
     def close(self, revoke: bool = True) -> None:
-        """Stop the threads; with `revoke`, leave the job at once (a clean exit)."""
+        """Stop the threads; with `revoke`, leave the job at once (a clean exit). A quorum call
+        that still waits ends (CoordinatorClosed)."""
         self._stop.set()
+        self._wake.set()
         for cancel in self._cancel_watches:
             cancel()
         self._cancel_watches.clear()

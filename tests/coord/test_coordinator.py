@@ -14,6 +14,7 @@ import pytest
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, MembershipSettings, QuorumTimeout
+from lightning_ft.coord.membership import CoordinatorClosed
 from lightning_ft.coord.demo import LeaderProc
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.store import EtcdStore, MemoryStore
@@ -266,6 +267,35 @@ def test_below_min_replicas_times_out_with_the_reason():
     with pytest.raises(QuorumTimeout, match="below min_replicas: 1 of 2 needed"):
         c.quorum(0, timeout_s=0.3)
     c.close(), s.close()
+
+
+def test_close_ends_a_quorum_call_that_waits_for_a_missing_member():
+    """A replica that exits (an exception in the user's code) closes its coordinator while its
+    overlapped quorum call for the next round still waits for a hung member: that call ends at
+    once. Before, it waited out its timeout, and Python's exit joins the pool thread it runs
+    in: the soak saw a replica "hung on exit" for supervisor.exit_timeout_s (20 s)."""
+    s = MemoryStore()
+    c = Coordinator(s, "j", 0, 0, JobSpec(2, 2, 0.0, {"job": "j"}), MembershipSettings(lease_ttl_s=1))
+    c.register(0)
+    out: dict = {}
+
+    def call():
+        try:
+            c.quorum(0, timeout_s=30)
+        except Exception as e:  # noqa: BLE001 -- the test reads what ended the call
+            out["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), out  # waiting for replica 1 (min_replicas 2)
+    t0 = time.monotonic()
+    c.close()
+    t.join(5)
+    assert not t.is_alive(), "quorum() still waits after close()"
+    assert time.monotonic() - t0 < 1.0
+    assert isinstance(out.get("error"), CoordinatorClosed), out
+    s.close()
 
 
 def _both(a, b, step_a, step_b, **kw):
