@@ -64,6 +64,8 @@ class View:
     """Monotonic start of this incarnation (0: unknown)."""
     missing_since: Optional[float] = None
     leaving_since: Optional[float] = None
+    stopped: tuple[int, ...] = ()
+    """Ranks in the stopped state (SIGSTOP), read only while it is on its way out."""
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,12 @@ class ExitFailed:
 
 @dataclass(frozen=True)
 class Hung:
-    """Fail the replica as hung (a `hang` event first; `diagnosed`: wait for its stacks)."""
+    """Fail the replica as hung (a `hang` event first; `diagnosed`: wait for its stacks;
+    `dump`: read its live ranks' stacks into the event before the kill)."""
 
     reason: str
     diagnosed: bool = False
+    dump: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,11 +212,19 @@ def next_action(v: View, now: float, lim: Limits, facts: Facts = Facts()) -> tup
 
 def _exit_check(v: View, now: float, lim: Limits, what: str) -> Union[Leaving, Hung]:
     """On its way out: fine within exit_timeout_s of when it was first seen so (a process
-    SIGSTOPped or deadlocked in teardown never exits by itself); hung on exit past it."""
+    deadlocked in teardown never exits by itself); hung on exit past it, or past hang_grace_s
+    with a rank stopped (SIGSTOP)."""
     since = now if v.leaving_since is None else v.leaving_since
-    if lim.exit_timeout_s <= 0 or now - since < lim.exit_timeout_s:
+    if lim.exit_timeout_s <= 0:
         return Leaving()
-    return Hung(f"hung on exit for {now - since:.0f}s (supervisor.exit_timeout_s={lim.exit_timeout_s:g}): {what}")
+    if v.stopped and now - since >= lim.hang_grace_s:  # stopped, it never exits by itself
+        ranks = ", ".join(str(r) for r in v.stopped)
+        return Hung(f"hung on exit: rank {ranks} {'is' if len(v.stopped) == 1 else 'are'} stopped (SIGSTOP) "
+                    f"{now - since:.0f}s after it began to leave: {what}")
+    if now - since < lim.exit_timeout_s:
+        return Leaving()
+    return Hung(f"hung on exit for {now - since:.0f}s (supervisor.exit_timeout_s={lim.exit_timeout_s:g}): {what}",
+                dump=True)
 
 
 # -- after a failure ------------------------------------------------------------------------------

@@ -36,14 +36,16 @@ def py_spy() -> str:
     return shutil.which("py-spy") or ""
 
 
-def dump_stack(pid: int, timeout_s: float = DUMP_TIMEOUT_S) -> str:
-    """The Python stack of every thread of `pid` (py-spy's text), or a line saying why not."""
+def dump_stack(pid: int, timeout_s: float = DUMP_TIMEOUT_S, native: bool = False) -> str:
+    """The Python stack of every thread of `pid` (py-spy's text), or a line saying why not.
+    `native`: with C frames (it stops the process while it reads; a process hung in
+    interpreter shutdown has no Python frame left to show)."""
     exe = py_spy()
     if not exe:
         return "no stack: py-spy is not installed (pip install py-spy, or the dev extra: pip install -e '.[dev]')"
     try:
-        r = subprocess.run([exe, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
-                           timeout=timeout_s)
+        how = ["--native"] if native else ["--nonblocking"]
+        r = subprocess.run([exe, "dump", *how, "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"no stack: py-spy dump --pid {pid} took longer than {timeout_s:g}s"
     except OSError as e:

@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 ZYGOTE_FIRST_WAIT_S = 90.0
 """How long the start waits for the zygote's imports before it starts the replicas as new
 processes (a loaded 2-core host took 15-100 s to import torch and Lightning; unloaded, 5 s)."""
+EXIT_DUMP_TIMEOUT_S = 2.0
+"""A replica hung on exit: each live rank's stack is read (py-spy) for this long at most before the kill."""
 
 
 class Supervisor(Spares):
@@ -228,7 +230,9 @@ class Supervisor(Spares):
                 kill_reason=rep.kill_reason, watched=reports is not None and codes[rep.rid][:1] == (None,),
                 report=mine if mine is not None and mine.get("incarnation") == rep.incarnation else None,
                 member_seen=rep.member_seen, started_at=rep.started_at, missing_since=rep.missing_since,
-                leaving_since=rep.leaving_since)
+                leaving_since=rep.leaving_since,
+                stopped=tuple(r for r, p in enumerate(rep.procs) if rep.leaving_since is not None
+                              and p.returncode is None and process_state(p.pid) in ("T", "t")))
             facts = policy.Facts()
             while True:
                 actions = policy.next_action(view, now, self._limits, facts)
@@ -261,7 +265,9 @@ class Supervisor(Spares):
         elif isinstance(a, policy.Hung):
             if a.diagnosed and rep.diagnosis is not None:  # its stacks are read before the kill (bounded)
                 rep.diagnosis.join(DUMP_TIMEOUT_S + 1.0)
-            self._event(rep, "hang", reason=a.reason)
+            stacks = {r: dump_stack(p.pid, EXIT_DUMP_TIMEOUT_S, native=True) for r, p in enumerate(rep.procs)
+                      if a.dump and p.returncode is None}  # where it hangs on its way out
+            self._event(rep, "hang", reason=a.reason, **({"stacks": stacks} if stacks else {}))
             self._fail(rep, a.reason)
         elif isinstance(a, policy.Seen):
             rep.member_seen, rep.missing_since = True, None

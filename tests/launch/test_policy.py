@@ -1,6 +1,8 @@
 """launch/policy.py: the supervisor's decisions as tables (no processes, no etcd, no clock)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import itertools
 
 import pytest
@@ -56,6 +58,25 @@ def test_a_logged_clean_exit_is_not_logged_again_and_the_exit_timeout_runs_from_
     assert isinstance(h, Hung) and h.reason.startswith("hung on exit for 30s (supervisor.exit_timeout_s=30)")
     assert "rank 0 exited 0 but ranks [1] still run" in h.reason and not h.diagnosed
     # exit_timeout_s = 0: never hung on exit
+    assert next_action(v, NOW + 1e6, Limits(exit_timeout_s=0.0)) == (Leaving(),)
+
+
+def test_a_rank_stopped_on_its_way_out_is_hung_after_the_grace_not_the_exit_timeout():
+    """The soak's hang fault can SIGSTOP a leader that is already leaving (it left the job after
+    an exception): stopped, it never exits, so waiting exit_timeout_s (20-30 s) for it only delays
+    its restart. Stopped past hang_grace_s, it is hung at once; running, it keeps its exit timeout."""
+    v = view((0, None), logged_exits=frozenset({0}), leaving_since=NOW - 1.0, stopped=(1,))
+    assert next_action(v, NOW, LIM) == (Leaving(),)  # within hang_grace_s (2 s)
+    (h,) = next_action(v, NOW + 1.0, LIM)
+    assert isinstance(h, Hung) and h.reason.startswith("hung on exit: rank 1 is stopped (SIGSTOP) 2s after")
+    assert "rank 0 exited 0 but ranks [1] still run" in h.reason and not h.dump  # no stack from a stopped rank
+    assert next_action(replace(v, stopped=()), NOW + 1.0, LIM) == (Leaving(),)
+    # a leader that left the job cleanly, then was stopped
+    left = view((None,), watched=True, member_seen=True, missing_since=NOW - 10.0, leaving_since=NOW - 5.0,
+                stopped=(0,))
+    (h,) = next_action(left, NOW, LIM, Facts(left_cleanly=True))
+    assert isinstance(h, Hung) and "rank 0 is stopped (SIGSTOP) 5s after" in h.reason and "left the job" in h.reason
+    # exit_timeout_s = 0 (never hung on exit) covers a stopped rank too
     assert next_action(v, NOW + 1e6, Limits(exit_timeout_s=0.0)) == (Leaving(),)
 
 
