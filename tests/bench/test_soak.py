@@ -17,10 +17,10 @@ from lightning_ft.bench import netns
 
 @pytest.mark.timeout(900)
 def test_ten_mixed_faults_lose_nothing_and_end_identical():
-    # The job stops 150 steps after the last fault (--tail-steps; --steps is only a ceiling): at a
+    # The job stops 60 steps after the last fault (--tail-steps; --steps is only a ceiling): at a
     # fixed 1200 steps, an idle machine trained them before 6 of the 10 faults had landed.
-    cmd = [sys.executable, "-m", "lightning_ft.bench.soak", "--faults", "10", "--every-s", "1.5", "--overlap", "0.3",
-           "--seed", "4", "--steps", "20000", "--tail-steps", "150", "--ckpt-every", "20", "--timeout", "800"]
+    cmd = [sys.executable, "-m", "lightning_ft.bench.soak", "--faults", "10", "--every-s", "1.0", "--overlap", "0.3",
+           "--seed", "4", "--steps", "20000", "--tail-steps", "60", "--ckpt-every", "20", "--timeout", "800"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{"bench": "soak"')]
     assert lines, p.stdout[-3000:] + p.stderr[-6000:]
@@ -42,12 +42,12 @@ def test_a_job_that_outlives_the_timeout_is_reported_killed_and_cleaned_up():
     """The soak's own deadline: it says where each replica stood, kills the job by PID, and still
     prints its line (timed_out, exit 1) instead of a traceback with the job left running."""
     cmd = [sys.executable, "-m", "lightning_ft.bench.soak", "--faults", "1", "--kinds", "kill", "--steps", "100000",
-           "--tail-steps", "0", "--timeout", "12", "--seed", "0"]
+           "--tail-steps", "0", "--timeout", "9", "--seed", "0"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{"bench": "soak"')]
     assert lines and lines[-1]["timed_out"] is True, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.returncode == 1
-    assert "did not finish within --timeout 12 s; last rows:" in p.stderr, p.stderr[-3000:]
+    assert "did not finish within --timeout 9 s; last rows:" in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     kept = re.search(r"its run directory is kept at (\S+) ", p.stderr)
     assert kept and os.path.isdir(kept.group(1)), p.stderr[-3000:]  # a failed soak keeps what went wrong

@@ -128,8 +128,8 @@ def test_a_second_job_on_a_live_id_is_refused_and_a_reused_id_starts_afresh(tmp_
                 "--job", job, "--run-dir", str(run_dir), "--no-status", "--timeout", "200", LOOP, *LOOP_ARGS,
                 "--steps", str(steps), "--step-sleep", "0.1", "failure.restart_delay_s=0.2", *extra]
 
-    # 150 steps (15 s or more): the refused job below tries the id while this one still runs
-    first = subprocess.Popen(cmd(tmp_path / "a", 150, "failure.events=[{replica: 0, step: 5, kind: kill}]"),
+    # 100 steps (10 s or more): the refused job below tries the id while this one still runs
+    first = subprocess.Popen(cmd(tmp_path / "a", 100, "failure.events=[{replica: 0, step: 5, kind: kill}]"),
                              env={**env, "LFT_SECRET_FILE": str(files["ours"])}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:

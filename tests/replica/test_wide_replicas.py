@@ -23,10 +23,10 @@ from tests.launch.test_multihost import clean_env, tail
 from tests.procs import alive, descendants, replica_pid
 from tests.strategy.runs import run_root
 
-R, W, STEPS = 4, 8, 50
-"""50 steps: the kill lands at step 6 and the restarted replica trains again about 2 s later (it
+R, W, STEPS = 4, 8, 40
+"""40 steps: the kill lands at step 6 and the restarted replica trains again about 2 s later (it
 forks from the launcher's zygote); about 0.6 s a step with 32 processes on 2 cores, so the job
-outlasts the heal by some 25 s here."""
+outlasts the heal by some 18 s here."""
 
 
 def leader_rows(run_dir, rid: int) -> list[tuple[int, dict]]:
