@@ -105,10 +105,11 @@ class StragglersConfig:
     """Slow replicas (docs/ARCHITECTURE.md, "Stragglers"; coord/stragglers.py). Every replica of
     a job must use the same values (the round's decider applies its own)."""
 
-    policy: str = "wait"
-    """"wait": the job runs at the straggler's pace (the `straggler` event says so).
-    "exclude": a straggler sits out a probation of rounds (doubling while it stays slow), then
-    rejoins by catch-up and is measured again; its slot's batches wait."""
+    policy: str = "exclude"
+    """"exclude" (the default): a straggler sits out a probation of rounds (doubling while it
+    stays slow), then rejoins by catch-up and is measured again; its slot's batches follow
+    `batch_policy` (under "shrink" they wait for it). "wait": the job runs at the straggler's
+    pace (the `straggler` event says so)."""
     threshold: float = 1.3
     """A replica whose compute time (data, forward, backward: up to ready-to-exchange) is this
     many times the median of the others' is a straggler; 0 = no detection."""
@@ -141,8 +142,9 @@ class SupervisorConfig:
     initialization: it is killed and restarted (0 = wait forever)."""
     exit_timeout_s: float = 120.0
     """A replica on its way out (it left the job, or one of its ranks exited 0) whose processes still
-    run this long after is hung on exit (stopped or deadlocked in teardown): it is killed and
-    restarted, so the launcher does not wait for it forever (0 = wait forever)."""
+    run this long after is hung on exit (deadlocked in teardown): it is killed and restarted, so the
+    launcher does not wait for it forever (0 = wait forever). A rank seen stopped (SIGSTOP) on its
+    way out is hung after the hang grace instead."""
     standby: int = 0
     """Warm spare replicas to keep (docs/ARCHITECTURE.md, "Warm standby"): each runs the program
     up to the strategy's setup and waits; a failed replica's restart takes one (healing in a

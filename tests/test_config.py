@@ -109,13 +109,13 @@ def test_fingerprint_holds_the_fields_every_replica_must_agree_on():
                                 "chunk_bytes": 4 << 20, "num_chunks": 4, "bucket_bytes": 4 << 20, "seed": 0,
                                 "lr_intervention": "sqrt", "digest_every": cfg.consistency.every_n_steps,
                                 "checkpoint_every": 100,
-                                "batch_policy": "shrink", "stragglers": "wait 1.3 10"}
+                                "batch_policy": "shrink", "stragglers": "exclude 1.3 10"}
     other = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                    "run_dir=/tmp/x", "ftar.timeout_s=9", "etcd.lease_ttl_s=2"])
     assert fingerprint(other) == fingerprint(cfg)  # local knobs may differ
     for key, value in (("seed", 3), ("ftar.num_chunks", 8), ("ftar.chunk_bytes", 1 << 20),
                        ("ftar.bucket_bytes", 1 << 20), ("lr_intervention", "linear"), ("min_replicas", 1),
-                       ("stragglers.policy", "exclude"), ("stragglers.threshold", 2.0), ("stragglers.window", 3)):
+                       ("stragglers.policy", "wait"), ("stragglers.threshold", 2.0), ("stragglers.window", 3)):
         changed = load_config(overrides=["job=exp7", "replicas=4", "nproc_per_replica=2", "min_replicas=2",
                                          f"{key}={value}"])
         assert fingerprint(changed) != fingerprint(cfg), key
