@@ -418,6 +418,12 @@ class EtcdCluster:
         """What `heal_dead` does with a dead member: replace it (True) or restart it on its data."""
         return len(self.servers) > 1 and self.tls is None
 
+    @property
+    def heal_verb(self) -> str:
+        """What `heal_dead` does with a dead member, said in an operator's log line."""
+        return ("replaced it by an empty member, which rejoins the cluster" if self.heals_by_replacing
+                else "restarted it on its data to rejoin the cluster")
+
     def replace_dead(self, timeout_s: float = 30.0) -> list[tuple[int, Optional[int]]]:
         """Replace every member whose process exited by an empty one (`etcd_members.replace_dead`:
         restarted on its data, a member killed under load can diverge with etcd 3.5.0-3.5.2).

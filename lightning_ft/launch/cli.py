@@ -79,9 +79,8 @@ def _cmd_etcd(a: argparse.Namespace) -> int:
         while not stop["now"]:
             try:
                 for i, code in cluster.heal_dead():
-                    how = ("replaced it by an empty member, which rejoins" if cluster.heals_by_replacing
-                           else "restarted it on its data to rejoin")
-                    print(f"lightning-ft etcd: member {cluster.servers[i].name} exited (code {code}); {how}",
+                    print(f"lightning-ft etcd: member {cluster.servers[i].name} exited (code {code}); "
+                          f"{cluster.heal_verb}",
                           file=sys.stderr, flush=True)
             except RuntimeError as e:
                 print(f"lightning-ft etcd: {e}", file=sys.stderr)

@@ -96,8 +96,7 @@ class EtcdKeeper:
         replacing a member takes etcd a second or more. This thread lives as long as the
         cluster, as the members it starts must (they die with the thread that started them).
         A crash loop stops the job (`lost`)."""
-        how = ("replaced it by an empty member, which rejoins the cluster" if c.heals_by_replacing
-               else "restarted it on its data to rejoin the cluster")
+        how = c.heal_verb
         while not self._stop.wait(0.2):
             with self._heal_lock:
                 if self._closing:
