@@ -44,6 +44,14 @@ def test_cluster_ports_follow_the_base_port(tmp_path):
         EtcdCluster(0)
 
 
+def _kill(c: EtcdCluster, i: int) -> None:
+    """SIGKILL member i of `c` and reap it."""
+    proc = c.servers[i].proc
+    assert proc is not None
+    proc.kill()
+    proc.wait(5)
+
+
 def test_a_dead_member_is_restarted_and_rejoins_but_a_stopped_one_is_not():
     with EtcdCluster(3) as c:
         leaders = [i for i, s in enumerate(c.servers) if s.is_leader()]
@@ -51,8 +59,7 @@ def test_a_dead_member_is_restarted_and_rejoins_but_a_stopped_one_is_not():
         s = EtcdStore(c.endpoint)
         try:
             victim = (leaders[0] + 1) % 3
-            os.kill(c.servers[victim].proc.pid, signal.SIGKILL)
-            c.servers[victim].proc.wait(5)
+            _kill(c, victim)
             s.put("/m/while-down", b"1")
             assert c.restart_dead() == [(victim, -signal.SIGKILL)]
             c.servers[victim].wait_healthy()
@@ -64,8 +71,7 @@ def test_a_dead_member_is_restarted_and_rejoins_but_a_stopped_one_is_not():
             c.servers[2 if victim != 2 else 1].stop()
             assert c.restart_dead() == []
             c.CRASH_LOOP = (1, 60.0)
-            os.kill(c.servers[victim].proc.pid, signal.SIGKILL)
-            c.servers[victim].proc.wait(5)
+            _kill(c, victim)
             with pytest.raises(RuntimeError, match=f"member m{victim} exited 2 times within 60s; not restarting"):
                 c.restart_dead()
         finally:
@@ -97,8 +103,7 @@ def test_a_killed_leader_is_replaced_by_an_empty_member_that_receives_the_data_u
         try:
             victim = c.leader()
             assert victim is not None
-            c.servers[victim].proc.kill()
-            c.servers[victim].proc.wait(5)
+            _kill(c, victim)
             assert c.replace_dead() == [(victim, -signal.SIGKILL)]
             assert c.servers[victim].options.initial_cluster_state == "existing"
             assert "--initial-cluster-state" in c.servers[victim]._cmd()
@@ -132,12 +137,10 @@ def test_a_member_killed_seconds_after_another_was_replaced_is_replaced_too():
         try:
             first = c.leader()
             assert first is not None
-            c.servers[first].proc.kill()
-            c.servers[first].proc.wait(5)
+            _kill(c, first)
             assert c.replace_dead() == [(first, -signal.SIGKILL)]
             second = next(i for i in range(3) if i != first)  # not waiting for the new one to start
-            c.servers[second].proc.kill()
-            c.servers[second].proc.wait(5)
+            _kill(c, second)
             assert c.replace_dead() == [(second, -signal.SIGKILL)]
             for srv in c.servers:
                 srv.wait_healthy(30)

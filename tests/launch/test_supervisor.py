@@ -422,22 +422,22 @@ def test_a_resume_right_after_a_whole_job_kill_waits_for_the_dead_jobs_leases_th
     assert [r["to"] for r in read_rewinds(store, root).values()] == [5]
 
 
-def test_a_leader_stopped_after_it_left_the_job_is_killed_and_restarted_after_the_exit_timeout(etcd_endpoint,
-                                                                                                tmp_path):
+@pytest.mark.parametrize("how", ["stopped", "deadlocked"])
+def test_a_leader_hung_after_it_left_the_job_is_killed_and_restarted(etcd_endpoint, tmp_path, how):
     """The 10-fault soak: an injected exception made a replica leave the job (left/{rid}/{inc}
     written, lease revoked), then a SIGSTOP froze it in teardown. A clean leave means "wait for
-    the exit code", and the launcher waited for it forever. Past exit_timeout_s it is hung on
-    exit: killed, evicted and restarted."""
+    the exit code", and the launcher waited for it forever. Stopped, it never exits: hung past
+    the hang grace (0.3 s here). Deadlocked (it runs, or sleeps): hung past exit_timeout_s. Both
+    are killed, evicted and restarted."""
     job = "stop" + uuid.uuid4().hex[:6]
-    script = _leaving_leader(tmp_path / "stops_in_teardown.py", "os.kill(os.getpid(), signal.SIGSTOP)\n",
-                             first_only=True)
+    teardown = "os.kill(os.getpid(), signal.SIGSTOP)\n" if how == "stopped" else "time.sleep(3600)\n"
+    script = _leaving_leader(tmp_path / "hangs_in_teardown.py", teardown, first_only=True)
     sup = Supervisor([sys.executable, str(script)], *split(replicas=1, nproc_per_replica=1, job=job,
                      etcd=etcd_endpoint, secret="s", run_dir=str(tmp_path / "run"), hang_grace_s=0.3,
-                     restart_delay_s=0.1, exit_timeout_s=2.0))
+                     restart_delay_s=0.1, exit_timeout_s=4.0))
     try:
         sup.start()
         pid = status(sup, 0)["pids"][0]
-        t0 = time.monotonic()
         assert sup.run(timeout_s=40) == 0
         assert not alive(pid)
     finally:
@@ -446,7 +446,11 @@ def test_a_leader_stopped_after_it_left_the_job_is_killed_and_restarted_after_th
     assert seq(evs)[:4] == [("start", 0), ("hang", 0), ("evict", 0), ("restart", 1)], seq(evs)
     assert "hung on exit" in evs[1]["reason"] and "left the job" in evs[1]["reason"], evs[1]
     assert evs[-1]["event"] == "exit" and evs[-1]["code"] == 0 and evs[-1]["incarnation"] == 1
-    assert time.monotonic() - t0 >= 2.0
+    if how == "stopped":
+        assert "rank 0 is stopped (SIGSTOP)" in evs[1]["reason"], evs[1]
+    else:  # the whole exit timeout, and the stack of where it hangs (C frames: sleep)
+        assert evs[1]["reason"].startswith("hung on exit for 4s (supervisor.exit_timeout_s=4)"), evs[1]
+        assert "time_sleep" in evs[1]["stacks"]["0"] or "no stack" in evs[1]["stacks"]["0"], evs[1]
 
 
 def test_a_rank_left_running_after_another_exited_0_is_killed_after_the_exit_timeout(make):
