@@ -11,7 +11,9 @@ SIGKILLs (replicas 1 and 2 in turn), each healed by a warm spare (coord/standby.
 beforehand and promoted as soon as the killed one is reaped; then `--zygote-kills` SIGKILLs,
 each restarted cold but forked from a zygote that imported torch (launch/zygote.py, what
 `lightning-ft run` does with supervisor.zygote). Printed as one JSON line:
-    {"bench": "recovery", "step_s", "kill_stall_s", "hang_stall_s", "rejoin_stall_s" (the median
+    {"bench": "recovery", "step_s", "kill_stall_s" (the median over every kill: the cold restart's,
+     each spare's and each forked restart's; "kill_stall_all_s" each, "kill_stall_first_s" the
+     cold one's), "hang_stall_s", "rejoin_stall_s" (the median
      over every rejoin: the cold restart's and each heal's; "rejoin_stall_all_s" each,
      "rejoin_stall_of_step" the median over the median step),
      "rejoin_parts_ms", "steady_parts_ms" (the rejoin step's quorum/reconf/exchange/freeze against
@@ -99,11 +101,11 @@ def _rejoin_stall(r0, rid: int, t_kill: float, step_s: float) -> float:
     return round(max(0.0, row["dt"] - step_s), 4)
 
 
-def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict, float]:
+def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict, float, float]:
     """SIGKILL replica `rid`, evict it, and restart it `--restart-delay` after the kill forked
     from the zygote (launch/zygote.py: torch already imported), as `lightning-ft run` restarts.
     Returns (heal: the kill to the new incarnation's first step row, its restart breakdown,
-    replica 0's rejoin stall)."""
+    replica 0's rejoin stall, its kill stall)."""
     inc = job.replicas[rid].inc + 1
     t_kill = time.time()
     job.replicas[rid].signal(signal.SIGKILL)
@@ -117,8 +119,10 @@ def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict
     r0 = job.replicas[0]
     r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
     step_s = statistics.median([x["dt"] for x in r0.steps() if x["t"] < t_kill][-20:])
+    gone = [x for x in r0.steps() if x["t"] > t_kill and rid not in x["members"]]
+    t_gone = gone[0]["t"] if gone else first["t"]
     return (round(first["t"] - t_kill, 3), {"total_s": breakdown["total_s"], **breakdown["parts"]},
-            _rejoin_stall(r0, rid, t_kill, step_s))
+            _rejoin_stall(r0, rid, t_kill, step_s), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4))
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -169,11 +173,14 @@ def run(a: argparse.Namespace) -> dict:
             heals = [_standby_heal(job, k, 1 + k % 2, a) for k in range(a.standby_kills)]
             forked = [_zygote_heal(job, 1 + k % 2, a) for k in range(a.zygote_kills)]
             # one rejoin is one sample of a noisy step: the cold one's and every heal's
-            rejoins = [round(max(0.0, rejoin_row["dt"] - step_s), 4)] + [h[-1] for h in heals + forked]
+            rejoins = [round(max(0.0, rejoin_row["dt"] - step_s), 4)] + [h[2] for h in heals + forked]
+            # and one kill one sample of the step it breaks: the cold kill's and every heal's
+            kills = [round(_stall(rows, t_kill, gone["t"], step_s), 4)] + [h[1] for h in heals] + [h[3] for h in forked]
             return {
                 "bench": "recovery", "replicas": 3, "ttl_s": a.ttl, "state_mb": round(lag1["state_mb"], 1),
                 "step_s": round(step_s, 4),
-                "kill_stall_s": round(_stall(rows, t_kill, gone["t"], step_s), 4),
+                "kill_stall_s": round(statistics.median(kills), 4), "kill_stall_all_s": kills,
+                "kill_stall_first_s": kills[0],
                 "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4),
                 "rejoin_stall_s": round(statistics.median(rejoins), 4),
                 "rejoin_stall_all_s": rejoins, "rejoin_stall_of_step": round(statistics.median(rejoins) / step_s, 3),

@@ -66,6 +66,11 @@ def test_recovery_bench_quick_meets_its_stall_bounds():
     assert len(r["rejoin_stall_all_s"]) == 2 + len(r["heal_cold_zygote_all_s"])
     assert min(r["rejoin_stall_all_s"]) >= 0.0
     assert r["rejoin_stall_s"] == pytest.approx(statistics.median(r["rejoin_stall_all_s"]), abs=1e-4)
+    # so is the kill stall: every kill's (never negative), the cold one's first
+    assert len(r["kill_stall_all_s"]) == 2 + len(r["heal_cold_zygote_all_s"]) and min(r["kill_stall_all_s"]) >= 0.0
+    assert r["kill_stall_s"] == pytest.approx(statistics.median(r["kill_stall_all_s"]), abs=1e-4)
+    assert r["kill_stall_first_s"] == r["kill_stall_all_s"][0]
+    assert r["kill_stall_all_s"][1:2] == r["kill_stall_standby_s"]
     assert set(r["rejoin_parts_ms"]) == {"quorum_ms", "reconf_ms", "exchange_ms", "freeze_ms"}
 
 
