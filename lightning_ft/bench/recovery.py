@@ -88,10 +88,15 @@ def _standby_heal(job: Job, k: int, rid: int, a: argparse.Namespace) -> tuple[fl
     first = spare.wait_for(lambda x: x.get("event") == "step", a.timeout)
     back = spare.wait_for(lambda x: x.get("event") == "step" and not x["lag"], a.timeout)
     r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
-    gone = [x for x in r0.steps() if x["t"] > t_kill and rid not in x["members"]]
-    t_gone = gone[0]["t"] if gone else first["t"]
-    return (round(first["t"] - t_kill, 3), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4),
+    return (round(first["t"] - t_kill, 3), _kill_stall(r0, rid, t_kill, first["t"], step_s),
             _rejoin_stall(r0, rid, t_kill, step_s))
+
+
+def _kill_stall(r0, rid: int, t_kill: float, t_first: float, step_s: float) -> float:
+    """Healthy replica 0's stall for the kill of `rid` at `t_kill` (`_stall`): the window ends at
+    its first step without `rid`, else at the new incarnation's first step row (`t_first`)."""
+    gone = [x for x in r0.steps() if x["t"] > t_kill and rid not in x["members"]]
+    return round(_stall(r0.steps(), t_kill, gone[0]["t"] if gone else t_first, step_s), 4)
 
 
 def _rejoin_stall(r0, rid: int, t_kill: float, step_s: float) -> float:
@@ -119,10 +124,8 @@ def _zygote_heal(job: Job, rid: int, a: argparse.Namespace) -> tuple[float, dict
     r0 = job.replicas[0]
     r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > back["t"] + 1, a.timeout)
     step_s = statistics.median([x["dt"] for x in r0.steps() if x["t"] < t_kill][-20:])
-    gone = [x for x in r0.steps() if x["t"] > t_kill and rid not in x["members"]]
-    t_gone = gone[0]["t"] if gone else first["t"]
     return (round(first["t"] - t_kill, 3), {"total_s": breakdown["total_s"], **breakdown["parts"]},
-            _rejoin_stall(r0, rid, t_kill, step_s), round(_stall(r0.steps(), t_kill, t_gone, step_s), 4))
+            _rejoin_stall(r0, rid, t_kill, step_s), _kill_stall(r0, rid, t_kill, first["t"], step_s))
 
 
 def run(a: argparse.Namespace) -> dict:

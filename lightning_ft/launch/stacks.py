@@ -18,6 +18,10 @@ DUMP_TIMEOUT_S = 5.0
 """Bound on one `py-spy dump`."""
 
 
+STOPPED = ("T", "t")
+"""`process_state` letters of a stopped process (SIGSTOP, or a tracer's stop): it never runs again by itself."""
+
+
 def process_state(pid: int) -> str:
     """The state letter of /proc/PID/stat (R, S, D, T = stopped, Z, ...), or "?" when unreadable."""
     try:

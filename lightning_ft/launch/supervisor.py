@@ -52,7 +52,7 @@ from lightning_ft.constants import ExitCode
 from lightning_ft.coord.hang import culprit_rank, diagnose
 from lightning_ft.coord.store import StoreError
 from lightning_ft.launch import policy
-from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, dump_stack, process_state
+from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, STOPPED, dump_stack, process_state
 from lightning_ft.launch.zygote import Proc, Zygote, default_preload, python_target
 
 from lightning_ft.launch.spares import Spares
@@ -231,8 +231,8 @@ class Supervisor(Spares):
                 report=mine if mine is not None and mine.get("incarnation") == rep.incarnation else None,
                 member_seen=rep.member_seen, started_at=rep.started_at, missing_since=rep.missing_since,
                 leaving_since=rep.leaving_since,
-                stopped=tuple(r for r, p in enumerate(rep.procs) if rep.leaving_since is not None
-                              and p.returncode is None and process_state(p.pid) in ("T", "t")))
+                stopped=tuple(r for r, (p, code) in enumerate(zip(rep.procs, codes[rep.rid], strict=True))
+                              if rep.leaving_since is not None and code is None and process_state(p.pid) in STOPPED))
             facts = policy.Facts()
             while True:
                 actions = policy.next_action(view, now, self._limits, facts)
@@ -306,7 +306,7 @@ class Supervisor(Spares):
             d = diagnose(rep.rid, states, self._stall_reports(), stacks, pids=live, max_age_s=STALL_MAX_AGE_S,
                          why=f"members/{rep.rid} of incarnation {incarnation} vanished (lease expired) while "
                              f"its processes run")
-            if d.state not in ("T", "t", "D"):
+            if d.state not in (*STOPPED, "D"):
                 time.sleep(max(0.0, missing_since + self.hang_grace_s - time.monotonic()))
                 if (self._left_cleanly(rep) or process_state(live.get(0, -1)) in ("Z", "X", "?")
                         or self._member_back(rep.rid, incarnation)):
