@@ -329,12 +329,14 @@ class Coordinator(Membership):
         for rid, ratio in sorted(decision.stragglers.items()):
             excluded = decision.excluded_straggler if decision.excluded_straggler and \
                 decision.excluded_straggler[0] == rid else None
+            split = next(((g, n) for r, g, n in q.shrink_next if r == rid), None)  # policy "shrink"
             if excluded is None and rid in self._stragglers:
-                continue  # still slow, already said (policy "wait")
+                continue  # still slow, already said (policy "wait"; "shrink": its split follows in the reasons)
             self._emit("straggler", replica=rid, ratio=float(f"{ratio:.3f}"), window=self.spec.straggler_window,
                        threshold=self.spec.straggler_threshold, policy=self.spec.straggler_policy,
                        step=q.max_step, round=round,
-                       **({"until_round": excluded[1], "exclusions": excluded[2]} if excluded else {}))
+                       **({"until_round": excluded[1], "exclusions": excluded[2]} if excluded else {}),
+                       **({"gives": split[0], "of": split[1]} if split else {}))
         self._stragglers = set(decision.stragglers)
         for rid, (made, newest) in decision.stale.items():
             self._emit("stale", replica=rid, step=q.max_step, made=list(made), newest=list(newest), round=round)

@@ -59,7 +59,10 @@ Rules, in order:
    Under policy "exclude" the slowest one sits out a probation of rounds (`Quorum.slow`,
    doubling on each repeat; it is not a member and the round does not wait for it), unless
    that would leave fewer than min_replicas members; it then rejoins as lagging and is
-   measured afresh.
+   measured afresh. Under policy "shrink" a straggler that can split its slot batch keeps
+   training fewer micro-batches (`Quorum.shrink_next`, announced a round ahead, in effect as
+   `Quorum.shrunk` in the train rounds after it, for its contributors); one that cannot is
+   excluded as under "exclude".
 15. Optimizer steps (manual optimization with several optimizers; after rule 8): every
    `optimizer.step()` is one round. A report names the optimizer its next round steps
    (`opt`; -1: not known yet, a replica before its first batch) and whether that round
@@ -203,12 +206,18 @@ def compute_quorum(
         valid.pop(rid)
 
     # Rule 14: stragglers.
+    shrinking = job.straggler_policy == stragglers.SHRINK
+    micro = {r: rep.micro for r, rep in valid.items()}
     flagged, slow_out, slow, suspects = stragglers.decide(
         round, {r: (rep.compute_ms, rep.compute_round) for r, rep in valid.items()}, tuple(sorted(valid)),
         previous.slow if previous is not None else (), job.straggler_threshold, job.straggler_policy,
-        job.min_replicas, job.replicas, job.straggler_window, previous.suspects if previous is not None else ())
+        job.min_replicas, job.replicas, job.straggler_window, previous.suspects if previous is not None else (),
+        excludable=set(valid) - stragglers.splittable(micro) if shrinking else None)
     if slow_out is not None:
         valid.pop(slow_out[0])
+        micro.pop(slow_out[0])
+    shrink_next = stragglers.shrink(flagged, suspects, previous.shrink_next if previous is not None else (),
+                                    micro, job.replicas) if shrinking else ()
 
     # Rule 4: min_replicas.
     if len(valid) < job.min_replicas:
@@ -324,6 +333,12 @@ def compute_quorum(
         notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)"
                                               for r, x in sorted(flagged.items()))
                      + (f"; r{slow_out[0]} sits out until round {slow_out[1]}" if slow_out is not None else ""))
+    shrunk = stragglers.effective(previous.shrink_next, contributors) \
+        if previous is not None and kind == TRAIN and not cont else ()
+    if shrunk or shrink_next:
+        notes.append("shrink " + (", ".join(f"r{r} trains {n - g} of {n} micro-batches" for r, g, n in shrunk)
+                                  or "none") + (f" (next: {', '.join(f'r{r} {n - g}/{n}' for r, g, n in shrink_next)})"
+                                                if shrink_next != shrunk else ""))
     reason = (f"round {round} epoch {epoch}: {len(members)}/{job.replicas} replicas [{_names(members)}] ({change}); "
               f"max_step {max_step}")
     if lagging:
@@ -342,6 +357,7 @@ def compute_quorum(
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
                quarantine=quarantine, slow=slow, suspects=suspects, stop=any(valid[r].stop for r in members),
+               shrunk=shrunk, shrink_next=shrink_next,
                opt=opt, cont=cont, first=first)
     return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
                     excluded_straggler=slow_out)
@@ -451,7 +467,9 @@ def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
     # unless q continued a batch (rule 15): its batch was counted at the batch's first step.
     # Every member contributed to q and runs the same program, so all name the same next step.
     d = 0 if q.cont else 1
+    # A split announced in q takes effect now (every member contributes to a steady round).
     return replace(q, round=nxt, max_step=q.max_step + 1, cursors=tuple(c + d for c in q.cursors),
+                   shrunk=stragglers.effective(q.shrink_next, q.contributors) if not view.cont else (),
                    slot_cursors=tuple(c + d for c in q.slot_cursors), strikes=0, steady=True,
                    opt=view.opt, cont=view.cont, first=q.first if view.cont else view.opt,
                    reason=f"round {nxt} epoch {q.epoch}: steady ({len(q.members)} replicas, unchanged since round "

@@ -61,6 +61,9 @@ class Report:
     """The optimizer its next round steps (-1: not known yet, before its first batch). Rule 15."""
     cont: bool = False
     """Its next round continues a batch whose first optimizer step it committed. Rule 15."""
+    micro: int = 0
+    """Micro-batches its slot batch splits into, when it can train any subset of them and other
+    slots' (gradient accumulation over map-style data); 0 = it cannot. Rule 14, policy "shrink"."""
     joining: bool = False
     """A new process (or incarnation) that has not adopted any quorum yet: its report stands for
     every round until it is taken in (rule 1)."""
@@ -118,6 +121,13 @@ class Quorum:
     """(rid, round of its first flag, round of its newest flag) of members flagged by rule 14,
     not yet confirmed as stragglers by a non-overlapping window nor cleared by a whole window
     within the threshold (coord/stragglers.py)."""
+    shrunk: tuple[tuple[int, int, int], ...] = ()
+    """(rid, g, n) of stragglers shrunk in this round (rule 14, policy "shrink"): rid trains the
+    first n-g of its slot batch's n micro-batches, the contributors not shrunk train the rest
+    (replica/batch_policy.py). The previous round's `shrink_next`, for its contributors."""
+    shrink_next: tuple[tuple[int, int, int], ...] = ()
+    """The split announced for the rounds after this one (coord/stragglers.py, `shrink`): a
+    straggler computes before its round's quorum arrives, so it learns its share a round ahead."""
     stop: bool = False
     """Some member asked to stop: every replica stops after committing this round."""
     steady: bool = False
@@ -161,6 +171,8 @@ class Quorum:
         d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
         d["slow"] = tuple(tuple(q) for q in d.get("slow", ()))
         d["suspects"] = tuple(tuple(q) for q in d.get("suspects", ()))
+        d["shrunk"] = tuple(tuple(q) for q in d.get("shrunk", ()))
+        d["shrink_next"] = tuple(tuple(q) for q in d.get("shrink_next", ()))
         return cls(**d)
 
     def cursor_of(self, rid: int) -> int:
@@ -200,7 +212,7 @@ class JobSpec:
     straggler_threshold: float = 0.0
     """Rule 14: compute time over the median of the others' that makes a straggler; 0 = off."""
     straggler_policy: str = "wait"
-    """Rule 14: "wait" (report only) or "exclude"."""
+    """Rule 14: "wait" (report only), "exclude" or "shrink"."""
     straggler_window: int = 10
     """Rule 14: the steps each report's compute time is a median of (for the event)."""
 

@@ -33,14 +33,28 @@ What the round does with it is the policy (`stragglers.policy`):
   the job keeps training. Without that cap, load that slows replicas in turn (a shared host)
   excluded them in turn: a 100-fault soak under `exclude` trained most of its steps on one
   replica of three while the other two sat out doubling probations.
+- `shrink`: the straggler keeps training, but gives the last `g` of its slot batch's `n`
+  micro-batches to the others (`split`: the `g` that evens its time with theirs), so the global
+  batch stays the same and the job waits for `max((n-g)*ratio, n + ceil(g/helpers))` micro-batch
+  times instead of `n*ratio`. A replica that cannot split its batch (it reports `micro` < 2: no
+  gradient accumulation, manual optimization, a stream loader), or has no helper that can (the
+  other members report another `micro`), is excluded as under `exclude`. A split is announced
+  one round ahead (`Quorum.shrink_next`) and takes effect in the rounds after it
+  (`Quorum.shrunk`): a straggler computes its micro-batches before its round's quorum arrives
+  (overlap), so it must know its share before. It lasts while the replica is a suspect (its
+  measure, normalized to a whole slot batch, stays slow), its `g` follows each new flag's ratio,
+  and it ends when a whole window is measured within the threshold. At most
+  `max_excluded(R)` replicas are shrunk at once, the slowest first, and at least one helper
+  stays; replica/batch_policy.py deals the given-away micro-batches to the helpers in ring order.
 """
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Mapping, NamedTuple, Optional
+from typing import Collection, Mapping, NamedTuple, Optional
 
-WAIT, EXCLUDE = "wait", "exclude"
-POLICIES = (WAIT, EXCLUDE)
+WAIT, EXCLUDE, SHRINK = "wait", "exclude", "shrink"
+POLICIES = (WAIT, EXCLUDE, SHRINK)
 MIN_EXCESS_MS = 5.0
 """A straggler's compute time exceeds the median of the others' by at least this much."""
 PROBATION_ROUNDS = 64
@@ -99,7 +113,7 @@ class Verdict(NamedTuple):
 
 def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple[int, ...], slow_before: tuple,
            threshold: float, policy: str, min_replicas: int, replicas: int, window: int,
-           suspects_before: tuple = ()) -> Verdict:
+           suspects_before: tuple = (), excludable: Optional[Collection[int]] = None) -> Verdict:
     """One round's straggler decision.
 
     `measures` maps the round's valid members (after rule 5) to (compute_ms, the round of the
@@ -112,7 +126,8 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
     A suspect that is no longer a member is forgotten. Entries of `slow` whose probation is
     over stay (their count k) until the replica, no suspect, is measured within the threshold
     a probation's length of rounds after its return, which forgives it. `replicas` is the job's R
-    (`max_excluded`)."""
+    (`max_excluded`). `excludable`: the stragglers policy "exclude" may take out (None: any);
+    under "shrink", those that cannot be shrunk."""
     entries = {rid: (until, k) for rid, until, k in slow_before}
     usable = {r: (ms, at) for r, (ms, at) in measures.items()
               if r in members and (r not in entries or at >= entries[r][0])}
@@ -134,10 +149,11 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
             del first[r]  # a whole window within the threshold since its last flag
     victim: Optional[int] = None
     sitting_out = sum(1 for until, _ in entries.values() if round < until)
-    if policy == EXCLUDE and flagged and len(members) - 1 >= max(1, min_replicas) \
+    pool = {r: x for r, x in flagged.items() if excludable is None or r in excludable}
+    if policy in (EXCLUDE, SHRINK) and pool and len(members) - 1 >= max(1, min_replicas) \
             and sitting_out < max_excluded(replicas):
-        top = max(flagged.values())
-        victim = max(r for r, x in flagged.items() if x == top)  # the slowest; ties: the highest id
+        top = max(pool.values())
+        victim = max(r for r, x in pool.items() if x == top)  # the slowest; ties: the highest id
         k = entries.get(victim, (0, 0))[1]
         entries[victim] = (round + PROBATION_ROUNDS * 2 ** k, k + 1)
         del first[victim]  # measured afresh after its probation
@@ -153,3 +169,65 @@ def decide(round: int, measures: Mapping[int, tuple[float, int]], members: tuple
 def excluded(round: int, slow: tuple) -> set[int]:
     """Replicas on probation in `round` (from the previous round's `Quorum.slow`)."""
     return {rid for rid, until, _ in slow if round < until}
+
+
+def split(n: int, ratio: float, helpers: int) -> int:
+    """Policy "shrink": how many of its `n` micro-batches a straggler `ratio` times slower than
+    the others gives to `helpers` replicas: the `g` in [0, n-1] that minimizes the round's
+    compute, max((n-g)*ratio, n + ceil(g/helpers)) micro-batch times; the smallest such `g`
+    (0: giving any away would not make the round shorter)."""
+    if n < 2 or helpers < 1 or not ratio > 1.0:
+        return 0
+    best_g, best = 0, n * ratio
+    for g in range(1, n):
+        t = max((n - g) * ratio, n + math.ceil(g / helpers))
+        if t < best - 1e-9:
+            best_g, best = g, t
+    return best_g
+
+
+def splittable(micro: Mapping[int, int]) -> set[int]:
+    """Members that can be shrunk: they split their slot batch (`micro` >= 2 micro-batches) and
+    some other member splits into as many, so it can train what they give away."""
+    return {r for r, n in micro.items() if n >= 2 and any(o != r and m == n for o, m in micro.items())}
+
+
+def shrink(flagged: Mapping[int, float], suspects: tuple, before: tuple, micro: Mapping[int, int],
+           replicas: int) -> tuple[tuple[int, int, int], ...]:
+    """Policy "shrink": the split announced for the next rounds (`Quorum.shrink_next`), as
+    (rid, g, n) entries: rid gives the last g of its n micro-batches away.
+
+    `flagged`: this round's confirmed stragglers and their ratios; `suspects`: the new
+    `Quorum.suspects` (a shrunk replica stays shrunk while it is one); `before`: the previous
+    round's `shrink_next`; `micro`: each valid member's reported micro-batches per slot batch.
+    A flagged replica's g follows its ratio (`split`); one still a suspect keeps its g; the
+    slowest come first, at most `max_excluded(replicas)`, each leaving at least one helper (a
+    member not shrunk that splits into as many micro-batches)."""
+    still = {s[0] for s in suspects}
+    kept = {rid: g for rid, g, n in before if rid in still and rid not in flagged and micro.get(rid) == n}
+    can = splittable(micro)
+    order = sorted((r for r in set(flagged) | set(kept) if r in can),
+                   key=lambda r: (-flagged.get(r, 0.0), -kept.get(r, 0), r))
+    out: dict[int, tuple[int, int]] = {}
+    for r in order:
+        if len(out) >= max_excluded(replicas):
+            break
+        n = micro[r]
+        helpers = [m for m, k in micro.items() if k == n and m != r and m not in out]
+        if not helpers:
+            continue
+        g = split(n, flagged[r], len(helpers)) if r in flagged else kept[r]
+        if g > 0:
+            out[r] = (g, n)
+    for r in list(out):  # one shrunk later may have taken a helper an earlier one counted on
+        if not any(m not in out and micro[m] == out[r][1] for m in micro if m != r):
+            del out[r]
+    return tuple(sorted((r, g, n) for r, (g, n) in out.items()))
+
+
+def effective(shrink_next: tuple, contributors: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """The split a train round applies: the previous round's announcement (`shrink_next`) for
+    those of its replicas that contribute, while at least one contributor is not shrunk."""
+    out = tuple(e for e in shrink_next if e[0] in contributors)
+    shrunk = {e[0] for e in out}
+    return out if any(c not in shrunk for c in contributors) else ()
