@@ -42,6 +42,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr-mode", default="sqrt")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds of 'compute' per step")
+    p.add_argument("--micro", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation); with >= 2 a straggler can be shrunk")
+    p.add_argument("--slow-file", default="", metavar="PATH",
+                   help="while PATH (with {rid} replaced by the replica id) exists, this replica's compute "
+                        "sleeps its number times --step-sleep: a throttled accelerator (bench.straggler)")
     p.add_argument("--digest-every", type=int, default=0, help="print a state digest every N steps")
     p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL self before this step (incarnation 0)")
     p.add_argument("--kill-in-exchange-at", type=int, default=-1,
@@ -165,6 +170,7 @@ def main(argv: list[str]) -> int:
         return reference(a)
     from lightning_ft.coord.coordinator import JobFinished
     from lightning_ft.replica.group import ReplicaGroup
+    from lightning_ft.replica.batch_policy import own_todo
     from lightning_ft.replica.manager import ReplicaManager
     from lightning_ft.replica.settings import Identity, Settings
 
@@ -208,6 +214,7 @@ def main(argv: list[str]) -> int:
                         stragglers=cfg.stragglers, hang_report_after_s=cfg.hang.report_after_s,
                         hang_timeout_s=cfg.etcd.hang_timeout_s)
     mgr = ReplicaManager(model, opt, who, settings, group=ReplicaGroup(rank, world, pg), run_dir=renv.run_dir)
+    mgr.micro_batches = a.micro if a.micro > 1 else 0  # it trains any micro-batch of any slot (extra below)
     if renv.standby and rank == 0:
         emit(event="standby", token=renv.standby)
     try:
@@ -228,7 +235,7 @@ def main(argv: list[str]) -> int:
     leader = rank == 0
     if leader:
         emit(event="started", rid=rid, inc=inc, cursor=mgr.cursor)
-    box = {"last_t": time.perf_counter(), "loss": None}
+    box: dict = {"last_t": time.perf_counter(), "loss": None, "own": set()}
 
     def row(event: str, plan) -> None:
         """One JSON line per round that committed (or failed to), printed by the leader."""
@@ -242,6 +249,8 @@ def main(argv: list[str]) -> int:
                    role=plan.role, dt=now - box["last_t"], quorum_ms=st.quorum_s * 1e3,
                    reconf_ms=st.reconfigure_s * 1e3, exchange_ms=st.exchange_s * 1e3, catchup_ms=st.catchup_s * 1e3,
                    catchup_gbps=st.catchup_gbps, state_mb=st.catchup_mb, freeze_ms=st.freeze_s * 1e3)
+        if q.shrunk:  # stragglers.policy=shrink: who gave what away, and what we trained of it
+            out.update(shrunk=[list(e) for e in q.shrunk], skip=list(plan.skip), took=[list(m) for m in plan.micro])
         if a.digest_every and event == "step" and mgr.step % a.digest_every == 0:
             out["digest"] = state_digest(model, opt)
         emit(**out)
@@ -265,14 +274,43 @@ def main(argv: list[str]) -> int:
     if a.clip:
         mgr.clip_catchup = lambda: nn.utils.clip_grad_norm_(model.parameters(), a.clip)
 
-    def compute(plan) -> None:
-        ids = stream.batch(rid, plan.batch_index)[rank::world]
-        x, y = data.get(ids)
+    slow_file = a.slow_file.replace("{rid}", str(rid))
+
+    def slow() -> float:
+        try:
+            with open(slow_file) as f:
+                return float(f.read().strip() or 1.0)
+        except (OSError, ValueError):
+            return 1.0
+
+    def train_micro(slot: int, k: int, j: int) -> float:
+        """Forward and backward of micro-batch j of slot batch k (this rank's share), loss / N."""
+        ids = stream.batch(slot, k)[rank::world]
+        m = len(ids) // a.micro
+        x, y = data.get(ids[j * m:(j + 1) * m] if a.micro > 1 else ids)
         loss_t = nn.functional.mse_loss(model(x), y)
-        loss_t.backward()
-        box["loss"] = loss_t.item()
+        (loss_t / a.micro if a.micro > 1 else loss_t).backward()
         if a.step_sleep:
-            time.sleep(a.step_sleep)
+            time.sleep(a.step_sleep / a.micro * (slow() if slow_file else 1.0))
+        return loss_t.item()
+
+    def extra(plan) -> None:
+        """What a shrunk straggler gives away (plan.micro; stragglers.policy=shrink), and our own
+        micro-batches as the round decided (plan.skip)."""
+        restart, todo = own_todo(box["own"], a.micro, plan.skip)
+        if restart:
+            opt.zero_grad(set_to_none=True)
+        for j in todo:
+            train_micro(rid, plan.batch_index, j)
+        box["own"] = set(range(a.micro)) - set(plan.skip)
+        for slot, k, j in plan.micro:
+            train_micro(slot, k, j)
+
+    def compute(plan) -> None:
+        own = [j for j in range(a.micro) if j not in plan.skip]
+        box["loss"] = sum(train_micro(rid, plan.batch_index, j) for j in own) / len(own)
+        box["own"] = set(own)
+        mgr.share = (len(own), a.micro)
         if inc == 0 and plan.step == a.kill_in_exchange_at:
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
         if inc == 0 and rank == 0 and a.stop_in_exchange == f"{rid}@{plan.step}":
@@ -303,7 +341,7 @@ def main(argv: list[str]) -> int:
             if inc == 0 and mgr.step == a.hang_at and leader:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
-            mgr.run_step(compute, after_exchange=after_exchange)
+            mgr.run_step(compute, after_exchange=after_exchange, extra=extra if a.micro > 1 else None)
         mgr.mark_finished()  # a replica restarted from now on finds nothing to train (no lone rewind)
         digests = mgr.gather(state_digest(model, opt))
         if leader:

@@ -161,11 +161,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--strategy", default="ft_hsdp")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--stop-file", default="", help="stop training once this file exists")
+    p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model = GPT(d=a.d, layers=a.layers, context=a.context, lr=a.lr, steps=a.steps, batch=a.batch)
     trainer = L.Trainer(strategy=a.strategy, accelerator=a.accelerator, max_steps=a.steps,
-                        val_check_interval=a.val_every,
+                        val_check_interval=a.val_every, accumulate_grad_batches=a.accumulate,
                         check_val_every_n_epoch=None, limit_val_batches=4, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
                         callbacks=[StopFile(a.stop_file)] if a.stop_file else None,

@@ -108,8 +108,11 @@ class StragglersConfig:
     policy: str = "exclude"
     """"exclude" (the default): a straggler sits out a probation of rounds (doubling while it
     stays slow), then rejoins by catch-up and is measured again; its slot's batches follow
-    `batch_policy` (under "shrink" they wait for it). "wait": the job runs at the straggler's
-    pace (the `straggler` event says so)."""
+    `batch_policy` (under "shrink" they wait for it). "shrink": it keeps training, but gives
+    some of its slot batch's micro-batches (gradient accumulation) to the others, so the global
+    batch stays the same; one that cannot split its batch (no accumulation, manual optimization,
+    a stream loader) is excluded instead. "wait": the job runs at the straggler's pace (the
+    `straggler` event says so)."""
     threshold: float = 1.3
     """A replica whose compute time (data, forward, backward: up to ready-to-exchange) is this
     many times the median of the others' is a straggler; 0 = no detection."""

@@ -195,7 +195,9 @@ def summarize(data: RunData) -> dict:
         "val_bpb": val,
         "stragglers": [{"replica": e.get("replica"), "step": e.get("step"), "ratio": e.get("ratio"),
                         "window": e.get("window"), "policy": e.get("policy"),
-                        "until_round": e.get("until_round")} for e in data.events if e["event"] == "straggler"],
+                        "until_round": e.get("until_round"),
+                        "kept": f"{e['of'] - e['gives']}/{e['of']}" if e.get("of") else None}
+                       for e in data.events if e["event"] == "straggler"],
         "hangs": [hang_row(e) for e in data.events if e["event"] == "hang" and e.get("diagnosis")],
     }
 
@@ -320,10 +322,12 @@ def markdown(summary: dict) -> str:
                      for r in summary.get("rewinds") or []])
     lines += _table("Stragglers", ["A replica whose compute per step (mean over its last `window` steps) was `ratio` "
                                    "times the", "median of the others' (coord/stragglers.py). Under `exclude` it sat "
-                                   "out until `until round`."],
-                    ["replica", "at step", "ratio", "window", "policy", "until round"],
+                                   "out until `until round`; under `shrink` it", "trained `kept` of its micro-batches "
+                                   "and the others the rest."],
+                    ["replica", "at step", "ratio", "window", "policy", "until round", "kept"],
                     [[e["replica"], e["step"], e["ratio"], e["window"], e["policy"],
-                      "-" if e["until_round"] is None else e["until_round"]] for e in summary.get("stragglers") or []])
+                      "-" if e["until_round"] is None else e["until_round"], e.get("kept") or "-"]
+                     for e in summary.get("stragglers") or []])
     hangs = summary.get("hangs") or []
     lines += _table("Hangs", ["A replica whose lease lapsed while its processes ran: the rank to blame (its process "
                               "state: T = stopped),", "the FTAR links that waited on it, and where its main thread was "

@@ -139,9 +139,14 @@ def test_a_straggler_is_reported_with_its_ratio_window_and_probation(tmp_path):
     write_steps(str(tmp_path), {0: rows, 1: rows, 2: rows}, events=[ev])
     s = report.summarize(report.load(str(tmp_path)))
     assert s["stragglers"] == [{"replica": 2, "step": 19, "ratio": 2.917, "window": 10, "policy": "exclude",
-                                "until_round": 84}]
+                                "until_round": 84, "kept": None}]
     md = report.markdown(s)
-    assert "## Stragglers" in md and "| 2 | 19 | 2.917 | 10 | exclude | 84 |" in md
+    assert "## Stragglers" in md and "| 2 | 19 | 2.917 | 10 | exclude | 84 | - |" in md
+    shrunk = {**ev, "policy": "shrink", "gives": 2, "of": 4}
+    del shrunk["until_round"], shrunk["exclusions"]
+    write_steps(str(tmp_path / "s"), {0: rows, 1: rows, 2: rows}, events=[shrunk])
+    md = report.markdown(report.summarize(report.load(str(tmp_path / "s"))))
+    assert "| 2 | 19 | 2.917 | 10 | shrink | - | 2/4 |" in md
     write_steps(str(tmp_path / "b"), {0: rows, 1: rows}, events=[])
     assert "## Stragglers\n\nnone" in report.markdown(report.summarize(report.load(str(tmp_path / "b"))))
 

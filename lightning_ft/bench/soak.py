@@ -107,6 +107,7 @@ class Job:
                "--timeout", str(a.timeout + 120)]  # a backstop: the soak's own deadline reports and kills
         cmd += ["--resume", self.run_dir] if resume else ["--run-dir", self.run_dir]
         cmd += [TRAIN_LM, "--steps", str(a.steps), "--val-every", "1000000", "--batch", "8", "--d", "32",
+                "--accumulate", str(a.accumulate),
                 "--stop-file", self.stop_file,
                 "etcd.lease_ttl_s=1", "etcd.hang_timeout_s=20", "failure.restart_delay_s=0.3",
                 "failure.signal_exception=true", "quorum.init_timeout_s=20", "supervisor.start_timeout_s=120",
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail-steps", type=int, default=300,
                    help="fault-free steps after the last fault, then the job stops (0: train to --steps)")
     p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="train_lm's accumulate_grad_batches (with --set stragglers.policy=shrink: splittable steps)")
     p.add_argument("--hang-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=7200)

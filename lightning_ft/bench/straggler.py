@@ -1,17 +1,26 @@
 """A straggler among three replicas, under each policy (coord/stragglers.py, quorum rule 14),
 and a hung one (coord/hang.py).
 
-    python -m lightning_ft.bench.straggler [--policies wait exclude] [--throttle-s 10] [--no-hang]
+    python -m lightning_ft.bench.straggler [--policies wait exclude shrink] [--throttles stop compute]
+                                           [--throttle-s 40] [--no-hang]
 
-One job per policy: 3 replicas of examples/plain_loop.py (real processes, embedded etcd).
-After a steady stretch, replica 1 is throttled to about a third of its speed (SIGSTOP 0.2 s,
-SIGCONT 0.1 s, for --throttle-s seconds), then released. Replica 0's committed step rate is
-measured before and during the throttle (from the first step after the throttle began for
-"wait", from the first step without replica 1 for "exclude"). Prints one line per policy:
+One job per policy and throttle: 3 replicas of examples/plain_loop.py (real processes, embedded
+etcd), each step 4 micro-batches (`--micro`: a straggler can be shrunk). After a steady stretch,
+replica 1 is throttled to about a third of its speed for --throttle-s seconds, then released:
+- `stop`: SIGSTOP 0.2 s, SIGCONT 0.1 s (the outside test that found the problem): the whole
+  process stops, its exchange and its catch-up server too;
+- `compute`: its compute (the plain loop's --step-sleep) takes 3x (`--slow-file`): a throttled
+  accelerator, whose network still runs at full speed.
+Replica 0's committed step rate is measured before and during the throttle (from the first
+step after the throttle began for "wait", from the first step without replica 1 for "exclude",
+from the first step in which it is shrunk for "shrink"). Prints one line per job:
 
-    {"bench": "straggler", "policy": "exclude", "before_steps_s": ..., "during_steps_s": ...,
-     "ratio": during / before, "detect_s": ..., "straggler_events": n, "rejoined_s": ...,
-     "identical": true, "exactly_once": true, ...}
+    {"bench": "straggler", "policy": "exclude", "throttle": "stop", "before_steps_s": ...,
+     "during_steps_s": ..., "ratio": during / before, "detect_s": ..., "straggler_events": n,
+     "rejoined_s": ..., "identical": true, "exactly_once": true, ...}
+
+"shrink" adds `kept` (the micro-batches replica 1 kept of 4) and `whole_again_s` (from the
+release to its first step training its whole slot batch again).
 
 Then the hang figure: 3 replicas of the plain loop under the real Supervisor; replica 1's leader
 SIGSTOPs itself a few ms into step 30's exchange (inside its FTAR all-reduce; `--stop-in-exchange`).
@@ -36,6 +45,7 @@ from typing import Optional
 
 from lightning_ft.bench.localjob import LOOP, Job
 from lightning_ft.coord.etcd_server import EtcdServer
+from lightning_ft.coord.stragglers import POLICIES
 
 MODEL = ("--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "1", "--ftar-timeout", "5", "--init-timeout", "30",
          "--digest-every", "1")
@@ -85,44 +95,83 @@ def identical(job: Job) -> bool:
     return bool(by_step) and all(len(d) == 1 for d in by_step.values())
 
 
-def run_policy(etcd: str, policy: str, a: argparse.Namespace) -> dict:
+THROTTLES = {"stop": "SIGSTOP 0.2 s / SIGCONT 0.1 s", "compute": "compute 3x (--slow-file)"}
+
+
+def slow_compute(path: str, seconds: float, factor: float = 3.0,
+                 release: Optional[threading.Event] = None) -> threading.Thread:
+    """Make the replica whose --slow-file is `path` compute `factor` times slower for `seconds`
+    (or until `release` is set), from a thread."""
+    with open(path, "w") as f:
+        f.write(str(factor))
+
+    def go() -> None:
+        try:
+            if release is not None:
+                release.wait(seconds)
+            else:
+                time.sleep(seconds)
+        finally:
+            os.unlink(path)
+
+    t = threading.Thread(target=go, name="slow-compute", daemon=True)
+    t.start()
+    return t
+
+
+def run_policy(etcd: str, policy: str, a: argparse.Namespace, how: str = "stop") -> dict:
     from lightning_ft.replica.data import read_cursors, verify_ledger
 
     with tempfile.TemporaryDirectory(prefix="lft-straggler-") as tmp:
+        slow = os.path.join(tmp, "slow.{rid}")
         job = Job(etcd, tmp, args=MODEL + ("--steps", str(a.steps), "--step-sleep", str(a.step_sleep),
+                                           "--micro", str(a.micro), "--slow-file", slow,
                                            "--set", f"stragglers.policy={policy}"),
                   env={(r, 0): {"LFT_RUN_DIR": tmp} for r in range(3)})
         try:
             job.start_all()
-            r0 = job.replicas[0]
+            r0, r1 = job.replicas[0], job.replicas[1]
             r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 30, a.timeout)
             t0 = time.time()
             time.sleep(a.before_s)
             before = rate(r0.rows, t0, time.time())
             t_throttle = time.time()
-            th = throttle(job, 1, a.throttle_s)
+            th = throttle(job, 1, a.throttle_s) if how == "stop" else \
+                slow_compute(slow.replace("{rid}", "1"), a.throttle_s)
             first: Optional[dict] = None
             if policy == "exclude":
                 first = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_throttle
                                     and 1 not in x["members"], a.timeout)
+            elif policy == "shrink":
+                # shrunk, or excluded (a replica that cannot split its batch is)
+                first = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_throttle
+                                    and (bool(x.get("shrunk")) or 1 not in x["members"]), a.timeout)
             th.join(a.throttle_s + 30)
             t_release = time.time()
             start = first["t"] if first is not None else t_throttle + 1.0
             during = rate(r0.rows, start, t_release)
-            rejoin = job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release
-                                              and x["role"] == "train", a.timeout)
+            rejoin = r1.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release
+                                 and x["role"] == "train", a.timeout)
+            whole = r1.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_release and x["role"] == "train"
+                                and not x.get("skip"), a.timeout) if policy == "shrink" else None
             job.wait_done(a.timeout)
             cursors = read_cursors(job.store, job.root, range(job.R))
             ledger = verify_ledger(job.store, job.root, cursors)
             ev = read_events(tmp, "straggler")
-            return {"bench": "straggler", "policy": policy, "replicas": 3, "throttle": "SIGSTOP 0.2 s / SIGCONT 0.1 s",
-                    "throttle_s": a.throttle_s, "before_steps_s": round(before, 2), "during_steps_s": round(during, 2),
-                    "ratio": round(during / before, 3) if before else None,
-                    "detect_s": round(first["t"] - t_throttle, 3) if first is not None else None,
-                    "straggler_events": len(ev), "first_ratio": ev[0]["ratio"] if ev else None,
-                    "first_event_after_s": round(ev[0]["t"] - t_throttle, 3) if ev else None,
-                    "rejoined_s": round(rejoin["t"] - t_release, 3), "identical": identical(job),
-                    "exactly_once": ledger.ok, "steps": a.steps, "loadavg": os.getloadavg()[0]}
+            kept = sorted({a.micro - len(x["skip"]) for x in r1.rows if x.get("event") == "step" and x.get("skip")})
+            out = {"bench": "straggler", "policy": policy, "replicas": 3, "throttle": how,
+                   "throttled": THROTTLES[how], "micro": a.micro, "throttle_s": a.throttle_s,
+                   "before_steps_s": round(before, 2), "during_steps_s": round(during, 2),
+                   "ratio": round(during / before, 3) if before else None,
+                   "detect_s": round(first["t"] - t_throttle, 3) if first is not None else None,
+                   "straggler_events": len(ev), "first_ratio": ev[0]["ratio"] if ev else None,
+                   "first_event_after_s": round(ev[0]["t"] - t_throttle, 3) if ev else None,
+                   "rejoined_s": round(rejoin["t"] - t_release, 3), "identical": identical(job),
+                   "exactly_once": ledger.ok, "steps": a.steps, "loadavg": os.getloadavg()[0]}
+            if policy == "shrink":
+                out.update(kept=kept, excluded=bool(first is not None and not first.get("shrunk")),
+                           whole_again_s=round(whole["t"] - t_release, 3) if whole is not None else None)
+            return out
         finally:
             for r in job.replicas.values():
                 r.signal(signal.SIGCONT)
@@ -190,7 +239,9 @@ def stop_in_exchange(etcd: str, run_dir: str, ttl_s: float = 2.0, report_after_s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning_ft.bench.straggler", description=__doc__.split("\n")[0])
-    p.add_argument("--policies", nargs="*", default=["wait", "exclude"], choices=["wait", "exclude"])
+    p.add_argument("--policies", nargs="*", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--throttles", nargs="*", default=["stop", "compute"], choices=list(THROTTLES))
+    p.add_argument("--micro", type=int, default=4, help="micro-batches per step (a straggler can be shrunk)")
     p.add_argument("--no-hang", action="store_true", help="skip the hang figure")
     p.add_argument("--ttl", type=float, default=2.0, help="the hang figure's lease TTL (target: TTL + 2 s)")
     p.add_argument("--steps", type=int, default=2500, help="steps of each job (it must outlast the throttle)")
@@ -200,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=240.0)
     a = p.parse_args(argv)
     with EtcdServer() as etcd:
-        for policy in a.policies:
-            print(json.dumps(run_policy(etcd.endpoint, policy, a)), flush=True)
+        for how in a.throttles:
+            for policy in a.policies:
+                print(json.dumps(run_policy(etcd.endpoint, policy, a, how)), flush=True)
         if not a.no_hang:
             with tempfile.TemporaryDirectory(prefix="lft-hang-") as tmp:
                 fig = stop_in_exchange(etcd.endpoint, tmp, ttl_s=a.ttl, timeout_s=a.timeout)

@@ -108,6 +108,14 @@ class ReplicaBase:
         """Seconds from the end of the previous step to ready-to-exchange of the last cleanly
         trained steps since this replica last (re)joined (`compute_ms` in the reports)."""
         self._compute_round = -1
+        self.micro_batches = 0
+        """Micro-batches of this replica's slot batch, when its caller can train any subset of them
+        and micro-batches of other slots (`run_step(extra=...)`, `StepPlan.micro`/`skip`); 0: it
+        cannot, and is never shrunk (stragglers policy "shrink": it is excluded instead)."""
+        self.share: Optional[tuple[int, int]] = None
+        """(micro-batches of its own slot batch computed before the exchange, of `micro_batches`):
+        the caller sets it for the step in progress, and the straggler measure counts the step's
+        compute time per whole slot batch (a shrunk straggler must not look healthy)."""
         self._t_free: Optional[float] = None
         """When the previous `run_step` / `prepare` returned: where the next step's compute starts."""
         self._t_ready: Optional[float] = None

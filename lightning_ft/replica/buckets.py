@@ -171,8 +171,10 @@ class GradBuckets:
     def _submit_ready(self, r: Round) -> None:
         """Submit, in canonical order, the buckets whose gradients are all in (lock held)."""
         plan = r.plan
-        if plan is None or not plan.contribute or getattr(plan, "extra", None):
-            return  # extra slot batches (batch_policy "constant") are computed after this backward
+        if plan is None or not plan.contribute or getattr(plan, "extras", None):
+            # extra slot batches (batch_policy "constant") or micro-batches (a shrunk straggler's) are
+            # computed after this backward, and a shrunk one's own micro-batches may need recomputing
+            return
         while r.submitted < len(self.buckets) and r.count[r.submitted] == self.need[r.submitted]:
             self._submit(r, r.submitted, plan)
 

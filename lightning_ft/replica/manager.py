@@ -123,9 +123,22 @@ class ReplicaManager(Rounds):
         if res.caught_up or res.synced:
             self._compute.clear()
         elif res.trained and self._clean and t_begin is not None and self._t_ready is not None:
-            self._compute.append(self._t_ready - t_begin)
+            done, of = self.share if self.share is not None and self.share[0] > 0 else (1, 1)
+            self._compute.append((self._t_ready - t_begin) * of / done)  # per whole slot batch
             self._compute_round = self._committed_round
+        self.share = None
         return self._outcome(res)
+
+    def planned_skip(self) -> tuple[int, ...]:
+        """The micro-batches of its slot batch this replica gives away in its next train round, as
+        the last quorum it adopted announced (`Quorum.shrink_next`; stragglers policy "shrink"). A
+        caller computing before that round's plan arrives skips these; `StepPlan.skip` is what the
+        round decided, and `run_step(extra=...)` makes up any difference."""
+        plan = self.last_plan
+        for rid, g, n in plan.quorum.shrink_next if plan is not None else ():
+            if rid == self.rid and n == self.micro_batches:
+                return tuple(range(n - g, n))
+        return ()
 
     def _run_step(self, compute: Callable[[StepPlan], Any], batch: Optional[int], recompute: Optional[Callable],
                   pending: Optional[Future], computed: bool, after_exchange: Optional[Callable[[], Optional[bool]]],
@@ -143,10 +156,16 @@ class ReplicaManager(Rounds):
         on the averaged gradients before the optimizer step (clipping); returning False makes
         this rank vote "failed", so the replica retries the step in a new round. `extra(plan)` adds the
         gradients of `plan.extra`, the absent slots' batches this replica trains under
-        batch_policy "constant", to those of its own batch (forward and backward each)."""
+        batch_policy "constant", and of `plan.micro`, the micro-batches of shrunk stragglers, to
+        those of its own batch (forward and backward each); for a shrunk replica it also makes the
+        gradients of its own batch those of every micro-batch but `plan.skip` (the caller knows
+        which it computed)."""
         res = StepResult(loss=loss)
-        in_grads: tuple = ()
-        """The extra batches whose gradients the local gradients hold besides our own."""
+        # A caller that can be shrunk holds its own slot batch as it decided before the plan
+        # (`planned_skip`): None says "not checked against this plan yet", and `extra` is called.
+        fresh: Optional[tuple] = None if self.micro_batches and extra is not None else ()
+        in_grads = fresh
+        """What the local gradients hold besides our own slot batch (`StepPlan.extras`)."""
         if recompute is None and not computed:  # compute() has not run: it can simply run again
             recompute = compute
         try:
@@ -189,7 +208,7 @@ class ReplicaManager(Rounds):
                     return res
                 raise RuntimeError(f"replica {self.rid}: the quorum assigns slot batch {plan.batch_index} but "
                                    f"the loader delivered batch {batch}")
-            if computed and in_grads and in_grads != plan.extra:
+            if computed and in_grads and in_grads != plan.extras:
                 replaced = True  # they hold another round's extra batches: start over
             if computed and replaced:
                 self._clean = False
@@ -204,18 +223,19 @@ class ReplicaManager(Rounds):
                     raise StaleManualStep(f"replica {self.rid} fell behind with a half-trained manual-optimization "
                                           "step; exiting so that the launcher restarts it and it catches up first")
                 res.loss = recompute(plan)
-                replaced, in_grads = False, ()
+                replaced, in_grads = False, fresh
             elif not computed:
                 res.loss = compute(plan)
-                computed, replaced, in_grads = True, False, ()
+                computed, replaced, in_grads = True, False, fresh
                 self._t_ready = time.monotonic()
-            if plan.extra and in_grads != plan.extra:
+            if in_grads != plan.extras and (plan.extras or in_grads is None):
                 if extra is None:
-                    raise RuntimeError(f"replica {self.rid}: batch_policy 'constant' assigns it absent slots' "
-                                       f"batches {list(plan.extra)}, but its caller passes no run_step(extra=...) "
-                                       "to train them")
+                    raise RuntimeError(f"replica {self.rid}: the round assigns it absent slots' batches "
+                                       f"{list(plan.extra)} (batch_policy 'constant') or a shrunk straggler's "
+                                       f"micro-batches {list(plan.micro)} (skipping {list(plan.skip)} of its own), "
+                                       "but its caller passes no run_step(extra=...) to train them")
                 extra(plan)
-                in_grads = plan.extra
+                in_grads = plan.extras
             # A retry recomputes when it can; only a caller that cannot (manual optimization)
             # pays for a saved copy of its local gradients.
             vote = self.exchange(plan, save_grads=recompute is None)

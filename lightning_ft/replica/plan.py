@@ -51,10 +51,22 @@ class StepPlan:
     extra: tuple[tuple[int, int], ...] = ()
     """(slot, k) batches of absent slots this replica trains besides its own (batch_policy
     "constant"; `run_step(extra=...)` computes them)."""
+    micro: tuple[tuple[int, int, int], ...] = ()
+    """(slot, k, j) micro-batches of shrunk stragglers' slots this replica trains besides its own
+    (stragglers policy "shrink"; `run_step(extra=...)` computes them)."""
+    skip: tuple[int, ...] = ()
+    """The micro-batches of its own slot batch this replica does not train (it is shrunk): the
+    helpers train them."""
     opt: int = 0
     """The optimizer this round steps (quorum rule 15; -1: not known yet)."""
     cont: bool = False
     """The round continues a batch: no batch in its ledger record, no cursor advances."""
+
+    @property
+    def extras(self) -> tuple:
+        """What this replica trains besides its whole slot batch, or instead of part of it: the
+        local gradients must hold exactly this besides the slot batch before the exchange."""
+        return (self.extra, self.micro, self.skip) if (self.extra or self.micro or self.skip) else ()
 
     @property
     def contribute(self) -> bool:

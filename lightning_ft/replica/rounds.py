@@ -91,12 +91,15 @@ class Rounds(Sync):
             self._publish_snapshot(q)
         cont = q.kind == "train" and q.cont  # rule 15: the batch was counted at its first step
         rb = None if q.kind != "train" or cont else round_batches(
-            self.batch_policy, q.contributors, {c: q.cursor_of(c) for c in q.contributors}, self.R, q.slot_cursors)
+            self.batch_policy, q.contributors, {c: q.cursor_of(c) for c in q.contributors}, self.R, q.slot_cursors,
+            q.shrunk)
         trained = rb.divisor if rb is not None else len(q.contributors)
         plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=trained,
                         lr_factor=lr_factor(self.lr_mode, trained, self.R), batch_index=self.cursor,
                         batches=rb.batches if rb is not None else ({} if cont else None),
                         extra=rb.extra_of(self.rid) if rb is not None and role == "train" else (),
+                        micro=rb.micro_of(self.rid) if rb is not None and role == "train" else (),
+                        skip=rb.skip_of(self.rid) if rb is not None and role == "train" else (),
                         opt=q.opt, cont=cont)
         if self.multi:
             # A round nobody named an optimizer for (-1) is trained with the contributors' own
@@ -149,7 +152,7 @@ class Rounds(Sync):
         A disowned state claims no generation, so the quorum never counts it as the job's."""
         state: dict[str, Any] = self.state.report()
         state.update(blame=self._blame, stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
-                     opt=self.phase[0], cont=self.phase[1])
+                     opt=self.phase[0], cont=self.phase[1], micro=self.micro_batches)
         if len(self._compute) >= self.straggler_window:
             state.update(compute_ms=round(statistics.fmean(self._compute) * 1e3, 3), compute_round=self._compute_round)
         else:  # not measured since we (re)joined: say so, or the report would keep an old value

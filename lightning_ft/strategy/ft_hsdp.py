@@ -98,6 +98,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._reducer: Any = None
         self._train_data: Any = None  # (dataset, collate_fn): batch_policy "constant" builds absent slots' batches
         self._extra_losses: list[float] = []
+        self._own_done: set[int] = set()  # micro-batches of our slot batch whose gradients we hold
+        self._skip: set[int] = set()  # micro-batches of our slot batch we give away (a shrunk straggler)
+        self._skipped = self._direct = False  # a given-away micro-batch's backward; a call outside the loop
         self._resume_point: Any = None  # fit(ckpt_path=...): where the checkpoint puts the job (resume.py)
         self._manual_clip: Any = None  # manual optimization: clip_gradients on the averaged gradients
 
@@ -225,6 +228,18 @@ class FTHSDPStrategy(ModelParallelStrategy):
         super().on_train_start()
         if self.mgr is not None:
             stepping.on_train_start(self)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        step = lambda: super(FTHSDPStrategy, self).training_step(*args, **kwargs)  # noqa: E731
+        return stepping.training_step(self, step)
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._skipped:  # a micro-batch this replica gives away (stragglers policy "shrink")
+            self._skipped = False
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

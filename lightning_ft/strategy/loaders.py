@@ -39,6 +39,8 @@ def train_loader(s: FTHSDPStrategy, dataloader: object) -> object:
     s.sampler = FTBatchSampler(stream, s.rid, s.global_rank, s.world_size, n,
                                   start=lambda: s.mgr.cursor)
     s._train_data = (dataloader.dataset, dataloader.collate_fn)
+    # stragglers policy "shrink": this replica can train any of its micro-batches and others'
+    s.mgr.micro_batches = n if n >= 2 and s._module.automatic_optimization and not s.mgr.multi else 0
     s._schedulers.steps_per_epoch = s.sampler.steps_per_epoch()
     return DataLoader(dataloader.dataset, batch_sampler=s.sampler, num_workers=dataloader.num_workers,
                       collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,

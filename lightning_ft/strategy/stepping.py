@@ -16,6 +16,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
+
+from lightning_ft.replica.batch_policy import own_todo
 from lightning_ft.strategy import lightning_compat
 from lightning_ft.strategy.errors import FTHSDPError
 from lightning_ft.strategy.sampler import FTBatchSampler
@@ -51,6 +54,8 @@ def batch_start(s: FTHSDPStrategy, batch: Any, batch_idx: int) -> None:
                           "loader must be the one the strategy installs (no custom data fetching)")
     s._window.append((s.sampler.tags.popleft(), batch, batch_idx))
     s._position = s._window[-1][0][:2]
+    if len(s._window) == 1:  # a new slot batch: skip what the last quorum announced we give away
+        s._own_done, s._skip = set(), set(s.mgr.planned_skip())
     if (s.overlap and s._pending is None and len(s._window) == micro_batches(s)
             and not s.mgr.multi):  # several optimizers: which one steps first is known at its step
         s._pending = s.mgr.begin_step()
@@ -81,7 +86,13 @@ def optimizer_step(s: FTHSDPStrategy, optimizer: Any, closure: Callable[[], Any]
     if pending is not None and auto:  # forward/backward overlap the quorum; hooks send buckets
         loss, computed = closure(), True
         s._phase["closure_ms"] = (time.perf_counter() - t0) * 1e3
+        s.mgr.share = (len(s._own_done), micro_batches(s))
     t1 = time.perf_counter()
+
+    def compute(plan: Any) -> Any:
+        out = closure()
+        s.mgr.share = (len(s._own_done), micro_batches(s))  # the straggler measure: per whole slot batch
+        return out
 
     def after_exchange() -> None:  # hooks and clipping on the averaged gradients, identically everywhere
         if s._manual_clip is not None:  # where the training_step asked, as under DDP: before the hooks
@@ -89,9 +100,9 @@ def optimizer_step(s: FTHSDPStrategy, optimizer: Any, closure: Callable[[], Any]
         lightning_compat.after_closure(s.precision_plugin, s.lightning_module, optimizer)
 
     s._extra_losses = []
-    res = s.last = s.mgr.run_step(lambda plan: closure(), batch=None if cont else k, pending=pending, computed=computed,
+    res = s.last = s.mgr.run_step(compute, batch=None if cont else k, pending=pending, computed=computed,
                             loss=loss,
-                            recompute=(lambda plan: recompute(s, window, closure, optimizer)) if auto else None,
+                            recompute=(lambda plan: recompute(s, window, closure, optimizer, plan)) if auto else None,
                             after_exchange=after_exchange,
                             extra=((lambda plan: train_extra(s, plan, optimizer, window[-1][2])) if auto
                                    else None),
@@ -156,35 +167,80 @@ def clip_catchup(s: FTHSDPStrategy) -> None:
                                         trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
 
-def recompute(s: FTHSDPStrategy, window: list, closure: Callable[[], Any], optimizer: Any) -> Any:
-    """Redo the window's forward/backward on the caught-up weights (automatic optimization)."""
+def recompute(s: FTHSDPStrategy, window: list, closure: Callable[[], Any], optimizer: Any, plan: Any) -> Any:
+    """Redo the window's forward/backward on the caught-up weights (automatic optimization),
+    but for the micro-batches the round gives away (`plan.skip`: this replica is shrunk)."""
     s.recomputes += 1
     optimizer.zero_grad(set_to_none=True)
     n = len(window)
-    for _, batch, batch_idx in window[:-1]:
-        out: Any = s.training_step(batch, batch_idx)  # under automatic optimization: the loss, or a dict with it
-        loss = out["loss"] if isinstance(out, dict) else out
-        s.backward(loss / n, optimizer)
+    s._own_done, s._skip = set(), set(plan.skip)
+    for tag, batch, batch_idx in window[:-1]:
+        if tag[1] in s._skip:
+            continue
+        _backward(s, batch, batch_idx, n, optimizer)
+        s._own_done.add(tag[1])
     return closure()
 
 
+def training_step(s: FTHSDPStrategy, step: Callable[[], Any]) -> Any:
+    """Strategy.training_step inside Lightning's loop: a micro-batch this replica gives away (it
+    is a shrunk straggler: `ReplicaManager.planned_skip`) runs no forward; Lightning gets a zero
+    loss, and `backward` skips it. The others are counted (`_own_done`) for `train_extra`."""
+    pos = s._position
+    if s._direct or pos is None or s.mgr is None or not s.mgr.micro_batches:
+        return step()
+    if pos[1] in s._skip:
+        s._skipped = True
+        return torch.zeros((), device=s.root_device)
+    s._own_done.add(pos[1])
+    return step()
+
+
+def _backward(s: FTHSDPStrategy, batch: Any, batch_idx: int, n: int, optimizer: Any) -> float:
+    """Forward and backward of one micro-batch outside Lightning's loop (its loss scaled by 1/n,
+    as Lightning's accumulation does); returns the loss."""
+    s._direct = True
+    try:
+        out: Any = s.training_step(batch, batch_idx)  # the loss, or a dict with it
+    finally:
+        s._direct = False
+    loss = out["loss"] if isinstance(out, dict) else out
+    s.backward(loss / n, optimizer)
+    return float(loss.detach())
+
+
 def train_extra(s: FTHSDPStrategy, plan: Any, optimizer: Any, batch_idx: int) -> None:
-    """batch_policy "constant": forward and backward of the absent slots' batches assigned to
-    this replica (`plan.extra`), built from the train dataset by sample index in this rank's
-    micro-batches; their gradients add to those of our own batch."""
+    """What the round assigns besides (or instead of part of) our slot batch, built from the train
+    dataset by sample index in this rank's micro-batches: batch_policy "constant"'s absent slots'
+    batches (`plan.extra`) and shrunk stragglers' micro-batches (`plan.micro`), whose gradients
+    add to ours; and, when this replica is or was shrunk, its own micro-batches as the round
+    decided (`plan.skip`; batch_policy.own_todo: what it skipped and must compute after all, or a
+    fresh start when it computed one it gives away)."""
     dataset, collate = s._train_data
     n = micro_batches(s)
     s._extra_losses = []
     assert isinstance(s.sampler, FTBatchSampler)  # _train_data is set with it (map-style data)
-    for slot, k in plan.extra:
+
+    def run(slot: int, k: int, js: Any) -> float:
+        mbs = s.sampler.micro_batches(slot, k)  # type: ignore[union-attr]  # map-style: asserted above
         total = 0.0
-        for ids in s.sampler.micro_batches(slot, k):
-            batch = s.batch_to_device(collate([dataset[i] for i in ids]))
-            out: Any = s.training_step(batch, batch_idx)  # the loss, or a dict with it
-            loss = out["loss"] if isinstance(out, dict) else out
-            s.backward(loss / n, optimizer)
-            total += float(loss.detach())
-        s._extra_losses.append(total / n)
+        for j in js:
+            batch = s.batch_to_device(collate([dataset[i] for i in mbs[j]]))
+            total += _backward(s, batch, batch_idx, n, optimizer)
+        return total
+
+    if s.mgr.micro_batches:
+        restart, todo = own_todo(s._own_done, n, plan.skip)
+        if restart:
+            s.recomputes += 1
+            optimizer.zero_grad(set_to_none=True)
+            s._own_done = set()
+        run(s.rid, plan.batch_index, todo)
+        s._own_done |= set(todo)
+    for slot, k in plan.extra:
+        s._extra_losses.append(run(slot, k, range(n)) / n)
+    for slot, k, j in plan.micro:
+        run(slot, k, (j,))
 
 
 def set_lightning_step(s: FTHSDPStrategy, n: int, in_batch: bool = True) -> None:

@@ -46,9 +46,10 @@ import lightning.pytorch as L
 
 def pace(a: argparse.Namespace, trainer) -> None:
     """The test harness's pacing (`--step-sleep`, `--degraded-sleep`); stream_app.py uses it too."""
-    if a.step_sleep:
-        time.sleep(a.step_sleep)
     mgr = getattr(trainer.strategy, "mgr", None)
+    if a.step_sleep:  # --slow-replica: that replica's "accelerator" is --slow-factor times slower
+        slow = getattr(a, "slow_factor", 1.0) if getattr(a, "slow_replica", -9) == getattr(mgr, "rid", -2) else 1.0
+        time.sleep(a.step_sleep * slow)
     if a.degraded_sleep and mgr is not None and mgr.last_plan is not None \
             and len(mgr.last_plan.quorum.contributors) < mgr.R:
         time.sleep(a.degraded_sleep)  # slow down while a replica is away, so that it rejoins mid-run
@@ -119,6 +120,9 @@ class MLP(L.LightningModule):
             if mgr is not None and mgr.last_plan is not None:
                 row.update(contributors=list(mgr.last_plan.quorum.contributors), lr_factor=mgr.last_plan.lr_factor,
                            batch=mgr.last_plan.batch_index, lagging=mgr.last_plan.lagging)
+                if mgr.last_plan.quorum.shrunk:  # stragglers.policy=shrink
+                    row.update(shrunk=[list(e) for e in mgr.last_plan.quorum.shrunk], skip=list(mgr.last_plan.skip),
+                               took=[list(m) for m in mgr.last_plan.micro])
             print(json.dumps(row), flush=True)
 
     def on_fit_start(self):
@@ -258,6 +262,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--decay", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--degraded-sleep", type=float, default=0.0, help="sleep per step while replicas are missing")
+    p.add_argument("--slow-replica", type=int, default=-1, help="this replica's --step-sleep is ...")
+    p.add_argument("--slow-factor", type=float, default=1.0, help="... this many times longer (a straggler)")
     p.add_argument("--ddp", type=int, default=0)
     p.add_argument("--lr-mode", default=None)
     p.add_argument("--fail-commit-at", type=int, default=-1, help="vote 'failed' once after this step's exchange")

@@ -1,0 +1,75 @@
+"""stragglers.policy=shrink on a Lightning program under `lightning-ft run`: replica 1's
+"accelerator" is three times slower than the others' (tests/strategy/lit_script.py
+--slow-replica). The quorum finds it and shrinks it: it computes 2 of its slot batch's 4
+micro-batches (accumulate_grad_batches=4) and the other two replicas train the rest
+(coord/stragglers.py, replica/batch_policy.py, strategy/stepping.py). The global batch stays
+the same: the run follows, micro-batch by micro-batch, one with no straggler computed in
+process from the same batches, and it ends identical with an exact ledger."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from lightning_ft.replica.data import SlotStream
+from tests.strategy.lit_script import MLP, Teacher
+from tests.strategy.runs import lft_run, ok
+
+STEPS, R, BATCH, N, LR = 70, 3, 8, 4, 1e-2
+SHRINK = ("stragglers.policy=shrink", "stragglers.window=4", "consistency.every_n_steps=1")
+"""A full round every step (a digest each), so the straggler is confirmed within a few steps."""
+
+
+def micro_losses_without_a_straggler(steps: int) -> list[float]:
+    """Replica 0's micro-batch losses, in order, in a job whose every step averages the R slot
+    batches of N micro-batches each (lit_script's model, data and optimizer)."""
+    torch.manual_seed(0)
+    net = MLP(argparse.Namespace(unseeded=False, manual=False)).net
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    data = Teacher()
+    stream = SlotStream(len(data), BATCH * N, R, seed=0)
+    out = []
+    for k in range(steps):
+        opt.zero_grad()
+        for slot in range(R):
+            ids = stream.batch(slot, k)
+            for j in range(N):
+                x, y = data[ids[j * BATCH:(j + 1) * BATCH]]
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                (loss / N / R).backward()
+                if slot == 0:
+                    out.append(loss.item())
+        opt.step()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_shrunk_straggler_gives_micro_batches_away_and_the_job_trains_the_same_batches(tmp_path, etcd_endpoint,
+                                                                                         nproc):
+    """nproc 2: FSDP2 inside each replica; every rank of the straggler skips the same micro-batches."""
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", str(STEPS), "--accumulate", str(N), "--batch", str(BATCH),
+                  "--step-sleep", "0.01", "--slow-replica", "1", "--slow-factor", "3", replicas=R, overrides=SHRINK,
+                  nproc=nproc, timeout=280)
+    assert run.proc.returncode == 0, ok(run)
+    ev = [e for e in run.events if e["event"] == "straggler"]
+    assert ev and all(e["replica"] == 1 and e["policy"] == "shrink" for e in ev), ev
+    r0, r1, r2 = (run.replica_rows(r) for r in range(R))
+    shrunk = [r for r in r1 if r.get("shrunk")]
+    assert len(shrunk) >= 0.4 * len(r1), ok(run)  # it was shrunk for most of the run, from early on
+    g = shrunk[-1]["shrunk"][0][1]
+    assert shrunk[-1]["shrunk"] == [[1, g, N]] and 0 < g < N and shrunk[-1]["skip"] == list(range(N - g, N))
+    # it computed only what it kept (its own rows are per micro-batch Lightning delivered) ...
+    took = [tuple(m) for r in r0 + r2 if r.get("shrunk") for m in r["took"]]
+    assert took and all(m[0] == 1 and m[2] >= N - g for m in took)
+    # ... and the helpers took the rest: every step trained all R slot batches, exactly once
+    assert run.ledger.ok and run.ledger.steps == STEPS, (run.ledger.duplicates, run.ledger.gaps)
+    assert {s: run.ledger.trained[s] for s in range(R)} == {s: list(range(STEPS)) for s in range(R)}
+    assert run.finals[0]["digest"] == run.finals[1]["digest"] == run.finals[2]["digest"], ok(run)
+    # the same gradients every step as with no straggler: only the order of their sums differs
+    assert {r["lr_factor"] for r in r0 if r["step"] > 0} == {1.0}  # before the first commit: the sync round's
+    if nproc > 1:  # each rank trains half of every micro-batch (FSDP2): the rows are rank 0's halves
+        assert len(run.finals[0]["digest"]) == nproc
+        return
+    assert [r["loss"] * N for r in r0] == pytest.approx(micro_losses_without_a_straggler(STEPS), rel=1e-4)
