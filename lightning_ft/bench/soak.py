@@ -15,8 +15,10 @@ kind is left out, and the soak says why), job (kill the launcher and every repli
 is replaced by an empty member, `EtcdCluster.replace_dead`, as an operator replaces a crashed
 one: restarted on its own data, a member killed under load can diverge with etcd 3.5.1,
 etcd-io/etcd#13766, and seed 47 hit it: a replica's fenced ledger writes failed on that member
-while the others applied them, and the ledger came out 1887 batches short). With probability
-`--overlap` a fault hits two replicas at once.
+while the others applied them, and the ledger came out 1887 batches short). Not by default:
+slow (a straggler: every process of the replica stopped 0.2 s in every 0.3 s for 5-15 s, so
+the stragglers policy acts; with `--set stragglers.policy=shrink --accumulate 4` it is shrunk).
+With probability `--overlap` a fault hits two replicas at once.
 etcd is a 3-member cluster outside the job with data directories, so the ledger survives
 whole-job kills, and checks span every restart.
 
@@ -50,10 +52,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
 from lightning_ft.bench.soak_parts import halt_reason, hangs, heals, plan_kinds
+from lightning_ft.bench.soak_procs import alive, send, throttle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_LM = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "train_lm.py")
@@ -79,6 +83,10 @@ class Job:
         """The bridge and one namespace per replica (hosts[rid]), or None: all on loopback."""
         self.links_down: dict[int, float] = {}
         """Replica -> when its cut link comes back."""
+        self.slow_until: dict[int, float] = {}
+        """Replica -> when its throttling (a `slow` fault) ends."""
+        self.hung_at: dict[int, float] = {}
+        """Replica -> when a `hang` fault stopped it (a throttle's SIGCONT must not resume it)."""
 
     def heal_links(self) -> None:
         now = time.monotonic()
@@ -135,7 +143,7 @@ class Job:
                 ev = json.loads(line)
                 if ev.get("event") in ("start", "restart") and "pids" in ev:
                     out[ev["replica"]] = ev["pids"]
-        return {r: [p for p in ps if _alive(p)] for r, ps in out.items()}
+        return {r: [p for p in ps if alive(p)] for r, ps in out.items()}
 
     def spare_pids(self) -> list[int]:
         """The live processes of warm spares (`supervisor.standby`; a promoted one is a replica's)."""
@@ -144,16 +152,16 @@ class Job:
             return []
         pids = [p for line in open(path) for ev in (json.loads(line),) if ev.get("event") == "spare_start"
                 for p in ev["pids"]]
-        return [p for p in pids if _alive(p)]
+        return [p for p in pids if alive(p)]
 
     def kill_all(self) -> None:
         """The whole job dies at once: the launcher, every replica process and every spare."""
         pids = [p for ps in self.replica_pids().values() for p in ps] + self.spare_pids()
         if self.proc is not None and self.proc.poll() is None:
-            _signal(-self.proc.pid, signal.SIGKILL)
+            send(-self.proc.pid, signal.SIGKILL)
         for p in pids:
-            _signal(p, signal.SIGCONT)
-            _signal(-p, signal.SIGKILL)
+            send(p, signal.SIGCONT)
+            send(-p, signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(30)
 
@@ -201,38 +209,26 @@ class Job:
         return max((r["step"] for r in self._last_rows()), default=0)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        if pid < 0:
-            os.killpg(-pid, sig)
-        else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def inject(job: Job, kind: str, rid: int, rng: random.Random, a: argparse.Namespace) -> bool:
     pids = job.replica_pids().get(rid, [])
     if kind != "job" and not pids:
         return False
     if kind == "kill":
-        _signal(rng.choice(pids), signal.SIGKILL)
+        send(rng.choice(pids), signal.SIGKILL)
     elif kind == "exception":
-        _signal(pids[0], signal.SIGUSR1)
+        send(pids[0], signal.SIGUSR1)
     elif kind == "hang":  # stopped until the launcher declares it hung (lease TTL + grace) and kills it
-        _signal(pids[0], signal.SIGSTOP)
+        if job.slow_until.get(rid, 0.0) > time.monotonic():
+            return False  # the throttle would resume it
+        job.hung_at[rid] = time.monotonic()
+        send(pids[0], signal.SIGSTOP)
+    elif kind == "slow":
+        if job.slow_until.get(rid, 0.0) > time.monotonic() or time.monotonic() - job.hung_at.get(rid, -1e9) < 30:
+            return False
+        job.slow_until[rid] = time.monotonic() + rng.uniform(5.0, 15.0)
+        threading.Thread(target=throttle, args=(lambda: job.replica_pids().get(rid, []),
+                                                lambda: job.slow_until.get(rid, 0.0)),
+                         name=f"slow-r{rid}", daemon=True).start()
     elif kind == "link":
         if job.net is None or rid in job.links_down:
             return False
