@@ -42,6 +42,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr-mode", default="sqrt")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds of 'compute' per step")
+    p.add_argument("--stop-file", default="", metavar="PATH",
+                   help="once PATH exists, the job stops at a step every replica agrees on (before --steps)")
     p.add_argument("--micro", type=int, default=1,
                    help="micro-batches per step (gradient accumulation); with >= 2 a straggler can be shrunk")
     p.add_argument("--slow-file", default="", metavar="PATH",
@@ -341,7 +343,11 @@ def main(argv: list[str]) -> int:
             if inc == 0 and mgr.step == a.hang_at and leader:
                 a.hang_at = -1  # after SIGCONT, carry on
                 os.kill(os.getpid(), signal.SIGSTOP)
-            mgr.run_step(compute, after_exchange=after_exchange, extra=extra if a.micro > 1 else None)
+            if a.stop_file and os.path.exists(a.stop_file):
+                mgr.request_stop = True  # the job stops after the step every replica agrees on
+            res = mgr.run_step(compute, after_exchange=after_exchange, extra=extra if a.micro > 1 else None)
+            if res.stop or (res.caught_up and mgr.finished_step() is not None):
+                break  # the job agreed to stop here, or finished (we adopted its final state)
         mgr.mark_finished()  # a replica restarted from now on finds nothing to train (no lone rewind)
         digests = mgr.gather(state_digest(model, opt))
         if leader:

@@ -83,10 +83,11 @@ def stall_around(rows: list[dict], t_event: float) -> float:
 
 # W = 2 is the long one (FSDP2 start-up twice); it runs with `make test-slow`.
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_up(job_factory, world):
+def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_up(job_factory, world, tmp_path):
+    stop = str(tmp_path / "STOP")  # once the restarted replica trains, the job stops at a step all agree on
     args = ("--dim", "64", "--hidden", "256", "--depth", "3", "--batch", "8", "--ttl", "1", "--ftar-timeout", "5",
             "--init-timeout", "30", "--digest-every", "1", "--steps", "300" if world == 1 else "150",
-            "--step-sleep", "0.02" if world == 1 else "0.05")
+            "--step-sleep", "0.02" if world == 1 else "0.05", "--stop-file", stop)
     job = job_factory(world=world, args=args, extra={(1, 0): ["--kill-in-exchange-at", "12"]})
     job.start_all()
     job.wait_exit(1, timeout_s=120)
@@ -95,6 +96,8 @@ def test_sigkill_mid_exchange_survivors_continue_and_restarted_replica_catches_u
     job.evict(1, "rank 0 exited with -9")  # and writes the eviction at once
     time.sleep(1.0)
     job.start(1, inc=1, forked=False)  # a cold start: its breakdown has the python and torch parts
+    job.replicas[1].wait_for(lambda x: x.get("event") == "step" and x["role"] == "train", 120)
+    open(stop, "w").close()
     job.wait_done(240)
     survivors = [job.replicas[0], job.replicas[2]]
     for r in survivors:

@@ -14,8 +14,9 @@ from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identi
 
 
 @pytest.mark.timeout(300)
-def test_a_promoted_spare_heals_a_killed_replica_and_the_job_ends_identical(job_factory):
-    job = job_factory(args=SMALL + ("--steps", "400", "--step-sleep", "0.02"),
+def test_a_promoted_spare_heals_a_killed_replica_and_the_job_ends_identical(job_factory, tmp_path):
+    stop = str(tmp_path / "STOP")  # once the promoted spare trains, the job stops at a step all agree on
+    job = job_factory(args=SMALL + ("--steps", "400", "--step-sleep", "0.02", "--stop-file", stop),
                       extra={(1, 0): ["--kill-in-exchange-at", "60"]})
     job.start_all()
     spare = job.start_spare("s0")
@@ -37,15 +38,19 @@ def test_a_promoted_spare_heals_a_killed_replica_and_the_job_ends_identical(job_
     print({"heal_standby_s": round(heal_s, 3), "breakdown": bd["parts"]})
     assert heal_s < 10.0, heal_s  # the bench measures it (bench.recovery); here: it heals at all, warm
     assert job.store.get(keys.standby(job.root, "s0")) is None  # no longer a spare
+    spare.wait_for(lambda x: x.get("event") == "step" and x["role"] == "train", 60)
+    open(stop, "w").close()
     job.wait_done(240)
     assert_identical_every_step(job)
     assert_exactly_once(job)
 
 
 @pytest.mark.timeout(180)
-def test_a_spare_with_another_secret_is_refused_and_one_never_needed_leaves_at_the_end(job_factory):
-    # 300 steps (9 s or more): the spares fork from the session zygote and register within a second or two
-    job = job_factory(args=SMALL + ("--steps", "300", "--step-sleep", "0.02"))
+def test_a_spare_with_another_secret_is_refused_and_one_never_needed_leaves_at_the_end(job_factory, tmp_path):
+    # 300 steps at most (9 s or more): the spares fork from the session zygote and register within a
+    # second or two; once both are judged, the job stops at a step all agree on
+    stop = str(tmp_path / "STOP")
+    job = job_factory(args=SMALL + ("--steps", "300", "--step-sleep", "0.02", "--stop-file", stop))
     job.start_all()
     job.replicas[0].wait_for(lambda x: x.get("event") == "step", 120)
     wrong = job.start_spare("bad", env={"LFT_SECRET": TEST_SECRET[::-1]})
@@ -59,6 +64,7 @@ def test_a_spare_with_another_secret_is_refused_and_one_never_needed_leaves_at_t
     with open(f"{job.log_dir}/spare-bad.rank0.log") as f:
         assert "another secret" in f.read()
     assert job.store.get(keys.standby(job.root, "bad")) is None
+    open(stop, "w").close()
     job.wait_done(180)
     assert good.procs[0].wait(60) == 0  # the job finished: the spare is not needed
     assert good.wait_for(lambda x: x.get("event") == "finished_already", 5)

@@ -17,7 +17,8 @@ from lightning_ft.bench.straggler import rate, read_events, slow_compute, thrott
 from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identical_every_step
 
 
-STEPS = os.environ.get("LFT_TEST_STRAGGLER_STEPS", "1200")
+STEPS = os.environ.get("LFT_TEST_STRAGGLER_STEPS", "100000")
+"""At most: the test ends the job (--stop-file) once it has seen what it checks."""
 SLOW_AFTER_S = 12.0
 """How long the straggler stays slow after its first exclusion: the window the rates compare. It
 spans the first probation (64 rounds), the return (a catch-up and `window` rounds at the
@@ -29,7 +30,8 @@ straggler's pace) and the doubled second probation; 6 s ended inside the return 
 def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identical(etcd_endpoint, tmp_path,
                                                                                      plain_loop_zygote):
     run_dir = str(tmp_path)
-    job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", STEPS, "--step-sleep", "0.01",
+    stop = os.path.join(run_dir, "STOP")
+    job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", STEPS, "--step-sleep", "0.01", "--stop-file", stop,
                                                      "--set", "stragglers.policy=exclude"),
               env={(r, 0): {"LFT_RUN_DIR": run_dir} for r in range(3)}, zygote=plain_loop_zygote)
     release = threading.Event()
@@ -75,7 +77,10 @@ def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identi
         print(diag)
         assert joined <= 0.3 * len(steps), diag
         assert during >= 0.5 * before, diag
+        open(stop, "w").close()  # the job stops at a step every replica agrees on
         job.wait_done(240)
+        assert_identical_every_step(job)
+        assert_exactly_once(job)
     finally:
         release.set()
         for r in job.replicas.values():
@@ -94,8 +99,10 @@ def test_a_shrunk_straggler_trains_fewer_micro_batches_through_a_helpers_kill(et
     trains its whole batch again. Identical every step, exact ledger."""
     run_dir = str(tmp_path)
     slow = os.path.join(run_dir, "slow.{rid}")
-    job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", "900", "--step-sleep", "0.02", "--micro", "4",
-                                                     "--slow-file", slow, "--set", "stragglers.policy=shrink"),
+    stop = os.path.join(run_dir, "STOP")
+    job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", "100000", "--step-sleep", "0.02", "--micro", "4",
+                                                     "--slow-file", slow, "--stop-file", stop,
+                                                     "--set", "stragglers.policy=shrink"),
               env={(r, 0): {"LFT_RUN_DIR": run_dir} for r in range(3)}, zygote=plain_loop_zygote)
     release = threading.Event()
 
@@ -106,7 +113,7 @@ def test_a_shrunk_straggler_trains_fewer_micro_batches_through_a_helpers_kill(et
         job.start_all()
         step(lambda x: x["step"] >= 30, timeout=120)
         t0 = time.time()
-        time.sleep(3.0)
+        time.sleep(2.0)
         before = rate(job.replicas[0].rows, t0, time.time())
         t_slow = time.time()
         th = slow_compute(slow.replace("{rid}", "1"), 120.0, release=release)
@@ -115,7 +122,7 @@ def test_a_shrunk_straggler_trains_fewer_micro_batches_through_a_helpers_kill(et
         assert rid == 1 and n == 4 and 0 < g < 4, first
         ev = read_events(run_dir, "straggler")
         assert ev and ev[0]["replica"] == 1 and ev[0]["policy"] == "shrink", ev
-        time.sleep(3.0)
+        time.sleep(2.0)
         during = rate(job.replicas[0].rows, first["t"], time.time())
         # a helper dies: the other takes every micro-batch replica 1 gives away
         job.replicas[2].kill()
@@ -136,6 +143,7 @@ def test_a_shrunk_straggler_trains_fewer_micro_batches_through_a_helpers_kill(et
         # the job's pace: 2 of 4 micro-batches at 3x against 4 + 1 for the helpers is 0.67-0.8 of
         # it before (overheads alike); waiting for the straggler's 4 at 3x would be 0.33-0.45
         assert during >= 0.55 * before, diag
+        open(stop, "w").close()  # the job stops at a step every replica agrees on
         job.wait_done(240)
         assert_identical_every_step(job)
         assert_exactly_once(job)

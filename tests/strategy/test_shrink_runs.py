@@ -16,7 +16,7 @@ from lightning_ft.replica.data import SlotStream
 from tests.strategy.lit_script import MLP, Teacher
 from tests.strategy.runs import lft_run, ok
 
-STEPS, R, BATCH, N, LR = 70, 3, 8, 4, 1e-2
+STEPS, R, BATCH, N, LR = 48, 3, 8, 4, 1e-2
 SHRINK = ("stragglers.policy=shrink", "stragglers.window=4", "consistency.every_n_steps=1")
 """A full round every step (a digest each), so the straggler is confirmed within a few steps."""
 
