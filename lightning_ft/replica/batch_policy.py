@@ -69,8 +69,9 @@ def round_batches(policy: str, contributors: Sequence[int], cursors: Mapping[int
     own cursor (as it reported it); `slots`: R; `slot_cursors`: the cursor of every slot
     0..R-1 at this round (needed by `constant` when some slot is absent); `shrunk`: the
     round's (rid, g, n) splits (`Quorum.shrunk`)."""
-    rb = _slot_batches(policy, contributors, cursors, slots, slot_cursors, {e[0] for e in shrunk})
-    helpers = [c for c in contributors if c not in {e[0] for e in shrunk}]
+    shrunk_ids = {e[0] for e in shrunk}
+    rb = _slot_batches(policy, contributors, cursors, slots, slot_cursors, shrunk_ids)
+    helpers = [c for c in contributors if c not in shrunk_ids]
     bad = [e for e in shrunk if e[0] not in contributors or not 0 < e[1] < e[2]]
     if bad or (shrunk and not helpers):
         raise ValueError(f"shrunk {list(shrunk)} does not fit contributors {list(contributors)}")

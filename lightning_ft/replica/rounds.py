@@ -94,12 +94,13 @@ class Rounds(Sync):
             self.batch_policy, q.contributors, {c: q.cursor_of(c) for c in q.contributors}, self.R, q.slot_cursors,
             q.shrunk)
         trained = rb.divisor if rb is not None else len(q.contributors)
+        mine = rb if rb is not None and role == "train" else None  # what this replica trains besides its batch
         plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=trained,
                         lr_factor=lr_factor(self.lr_mode, trained, self.R), batch_index=self.cursor,
                         batches=rb.batches if rb is not None else ({} if cont else None),
-                        extra=rb.extra_of(self.rid) if rb is not None and role == "train" else (),
-                        micro=rb.micro_of(self.rid) if rb is not None and role == "train" else (),
-                        skip=rb.skip_of(self.rid) if rb is not None and role == "train" else (),
+                        extra=mine.extra_of(self.rid) if mine is not None else (),
+                        micro=mine.micro_of(self.rid) if mine is not None else (),
+                        skip=mine.skip_of(self.rid) if mine is not None else (),
                         opt=q.opt, cont=cont)
         if self.multi:
             # A round nobody named an optimizer for (-1) is trained with the contributors' own

@@ -83,16 +83,15 @@ def optimizer_step(s: FTHSDPStrategy, optimizer: Any, closure: Callable[[], Any]
     t0 = time.perf_counter()
     pending, s._pending = s._pending, None
     loss, computed = None, not auto  # manual optimization: the user's backward already ran
-    if pending is not None and auto:  # forward/backward overlap the quorum; hooks send buckets
-        loss, computed = closure(), True
-        s._phase["closure_ms"] = (time.perf_counter() - t0) * 1e3
-        s.mgr.share = (len(s._own_done), micro_batches(s))
-    t1 = time.perf_counter()
-
-    def compute(plan: Any) -> Any:
+    def compute(plan: Any = None) -> Any:
         out = closure()
         s.mgr.share = (len(s._own_done), micro_batches(s))  # the straggler measure: per whole slot batch
         return out
+
+    if pending is not None and auto:  # forward/backward overlap the quorum; hooks send buckets
+        loss, computed = compute(), True
+        s._phase["closure_ms"] = (time.perf_counter() - t0) * 1e3
+    t1 = time.perf_counter()
 
     def after_exchange() -> None:  # hooks and clipping on the averaged gradients, identically everywhere
         if s._manual_clip is not None:  # where the training_step asked, as under DDP: before the hooks
