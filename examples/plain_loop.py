@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 from lightning_ft.replica.digest import state_digest
 
 

@@ -48,8 +48,8 @@ from typing import IO, TYPE_CHECKING, cast
 
 import torch
 
-from lightning_ft.replica.catchup import STREAMS, StateServer, fetch_state
-from lightning_ft.replica.catchup_wire import bytes_of, pieces
+from lightning_ft.replica.catchup.http import STREAMS, StateServer, fetch_state
+from lightning_ft.replica.catchup.wire import bytes_of, pieces
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

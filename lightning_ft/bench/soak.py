@@ -303,7 +303,7 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
     from lightning_ft.coord.runs import recorded_root
     from lightning_ft.coord.etcd_server import EtcdCluster
     from lightning_ft.coord.store import EtcdStore
-    from lightning_ft.replica.data import read_cursors, verify_ledger
+    from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
     row: dict = {}
     kinds = [k for k in a.kinds.split(",") if k]

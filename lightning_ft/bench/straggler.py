@@ -120,7 +120,7 @@ def slow_compute(path: str, seconds: float, factor: float = 3.0,
 
 
 def run_policy(etcd: str, policy: str, a: argparse.Namespace, how: str = "stop") -> dict:
-    from lightning_ft.replica.data import read_cursors, verify_ledger
+    from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
     with tempfile.TemporaryDirectory(prefix="lft-straggler-") as tmp:
         slow = os.path.join(tmp, "slow.{rid}")

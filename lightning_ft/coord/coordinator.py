@@ -295,14 +295,14 @@ class Coordinator(Membership):
         """The job's newest committed step, read only when nobody reports past the previous
         round's step (otherwise nothing can have been lost), and the published checkpoints;
         the slot cursors under batch_policy "constant"."""
-        from lightning_ft.replica.data import read_cursors, recorded
+        from lightning_ft.replica.ledger import read_cursors, recorded
 
         cursors: dict[int, int] = {}
         if self.spec.batch_policy == "constant":
             cursors = read_cursors(self.store, self._root, range(self.spec.replicas),
                                    previous.gen if previous is not None else None)
         if previous is None:
-            from lightning_ft.replica.data import latest_gen
+            from lightning_ft.replica.ledger import latest_gen
 
             return History(0, gen=latest_gen(self.store, self._root), cursors=cursors)
         top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)

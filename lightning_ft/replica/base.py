@@ -26,15 +26,15 @@ from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.runs import RunHold, open_run
 from lightning_ft.coord.store import Store, store_from_config
 from lightning_ft.ftar.engine import FTAR, FTARSettings
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 from lightning_ft.replica.buckets import GradBuckets
 from lightning_ft.replica.group import ReplicaGroup
 from lightning_ft.replica.plan import StepPlan, StepStats
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.settings import Identity, Settings
 from lightning_ft.replica import startup
-from lightning_ft.replica.catchup import HTTPTransport
-from lightning_ft.replica.catchup_transport import CatchupTransport, TransportFactory
+from lightning_ft.replica.catchup.http import HTTPTransport
+from lightning_ft.replica.catchup.transport import CatchupTransport, TransportFactory
 from lightning_ft.replica.optimizers import Optimizers
 from lightning_ft.replica.state import (materialize_optimizer_state,
                                         opt_params, param_layout, state_tensors)

@@ -405,7 +405,7 @@ def restart_job(store: Any, root: str, ckpt: Optional[str]) -> dict:
     and zero cursors without a checkpoint), so commits after it are superseded and the final
     history stays exactly once across the restart. Returns the generation's record."""
     from lightning_ft.coord import keys
-    from lightning_ft.replica.data import latest_gen, read_rewinds, seed_generation
+    from lightning_ft.replica.ledger import latest_gen, read_rewinds, seed_generation
 
     for prefix in (keys.members(root), keys.alive(root), keys.addrs(root), keys.evict(root), f"{root}left/",
                    keys.quorum(root), f"{root}eval/", keys.done(root)):

@@ -8,7 +8,7 @@ import time
 from typing import Optional
 
 
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 from lightning_ft.replica.state import (combine, fast_digest, hyperparameters)
 
 from lightning_ft.replica.base import ReplicaBase

@@ -17,7 +17,7 @@ from lightning_ft.coord.quorum import LocalView, Quorum, adopt_role, must_abort,
 from lightning_ft.coord.store import StoreError
 from lightning_ft.ftar.ring import neighbours
 from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 from lightning_ft.replica.batch_policy import round_batches
 from lightning_ft.threads import name_current
 

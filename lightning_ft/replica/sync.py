@@ -12,9 +12,9 @@ from typing import Optional, cast
 import torch
 
 from lightning_ft.coord.quorum import Quorum
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 from lightning_ft.replica import startup
-from lightning_ft.replica.catchup_wire import CatchupError
+from lightning_ft.replica.catchup.wire import CatchupError
 from lightning_ft.replica.optimizers import unwrap
 from lightning_ft.replica.state import (materialize_optimizer_state)
 

@@ -99,7 +99,7 @@ def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
     from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
     from lightning_ft.coord.quorum import JobSpec
     from lightning_ft.coord.store import EtcdStore, Store
-    from lightning_ft.replica.data import record_commit
+    from lightning_ft.replica.ledger import record_commit
 
     R, W = cfg["replicas"], cfg["addr_ranks"]
     counting = CountingStore(EtcdStore(cfg["endpoint"]))

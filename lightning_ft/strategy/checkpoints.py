@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 from lightning_ft.replica.checkpoint import CheckpointWriter, publish, unpublish_missing
 from lightning_ft.replica.optimizers import unwrap
 from lightning_ft.strategy.runlog import replica_dir

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 from lightning_ft.strategy import stepping
 from lightning_ft.strategy.errors import FTHSDPError
 from lightning_ft.strategy.sampler import FTBatchSampler

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_ft.coord import keys
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 
 KEY = "lightning_ft"
 """The checkpoint entry ft_hsdp adds: {"step", "replicas", "gen", "batches", "cursors": {slot: cursor}}."""

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from torch.utils.data import Sampler
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 
 
 class FTBatchSampler(Sampler):

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import default_collate
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 from lightning_ft.replica.manager import lr_factor
 
 

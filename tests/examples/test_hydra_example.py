@@ -17,7 +17,7 @@ import uuid
 import yaml
 
 from lightning_ft.coord.store import EtcdStore
-from lightning_ft.replica.data import read_cursors, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests.strategy.runs import Run, ok, run_root
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")

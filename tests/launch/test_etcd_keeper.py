@@ -27,7 +27,7 @@ from lightning_ft.coord.quorum import MAX_STEADY_STEPS
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.constants import ExitCode
 from lightning_ft.replica.checkpoint import newest_valid, verify
-from lightning_ft.replica.data import read_cursors, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests.launch.test_cli import etcd_children, readline
 from tests.procs import alive, descendants
 from tests.strategy.runs import run_root

@@ -401,7 +401,7 @@ def test_a_resume_right_after_a_whole_job_kill_waits_for_the_dead_jobs_leases_th
     joining a run nobody runs, where the new incarnation 0 met the dead one's eviction."""
     from lightning_ft.coord import keys
     from lightning_ft.coord.runs import RunRecord
-    from lightning_ft.replica.data import read_rewinds
+    from lightning_ft.replica.ledger import read_rewinds
     from lightning_ft.secret import tag
 
     run_dir = make.run_dir

@@ -45,7 +45,7 @@ def test_python_target(cmd, want):
     ("# uses lightning one day\nx = 'import lightning'\n", []),
     ("import lightning_ft\nfrom lightning_ft.replica.manager import ReplicaManager\n",
      ["lightning_ft.replica.manager"]),
-    ("import lightning\nfrom lightning_ft.replica.data import SlotStream\n",
+    ("import lightning\nfrom lightning_ft.replica.ledger import SlotStream\n",
      ["lightning.pytorch", "lightning_ft.replica.manager"]),
 ])
 def test_default_preload_follows_what_the_script_imports(tmp_path, src, more):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lightning_ft.bench.localjob import TEST_SECRET, Job
-from lightning_ft.replica.data import read_cursors, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
 ARGS = ("--steps", "100000", "--dim", "16", "--hidden", "32", "--batch", "8", "--ttl", "2", "--ftar-timeout", "5",
         "--init-timeout", "5", "--step-sleep", "0.1")

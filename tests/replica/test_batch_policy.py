@@ -12,7 +12,7 @@ import pytest
 from lightning_ft.coord import keys
 from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica.batch_policy import round_batches
-from lightning_ft.replica.data import read_cursors, record_commit, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, record_commit, verify_ledger
 from lightning_ft.replica.manager import lr_factor
 
 CASES = [

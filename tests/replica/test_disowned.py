@@ -14,7 +14,7 @@ import torch
 from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
 from lightning_ft.coord.quorum import JobSpec
 from lightning_ft.coord.store import MemoryStore
-from lightning_ft.replica import data as ledger
+from lightning_ft.replica import ledger
 from lightning_ft.replica.manager import ReplicaManager
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.settings import Identity

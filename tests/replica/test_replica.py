@@ -16,7 +16,7 @@ from itertools import pairwise
 
 import pytest
 
-from lightning_ft.replica.data import read_cursors, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
 from lightning_ft.bench.localjob import LOOP, Job
 

@@ -14,7 +14,7 @@ from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.store import EtcdStore
 from lightning_ft.launch.supervisor import Supervisor
 from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
-from lightning_ft.replica.data import read_cursors, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests.strategy.runs import run_root
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.store import EtcdStore
-from lightning_ft.replica.data import read_cursors, verify_ledger
+from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests.launch.test_multihost import clean_env, tail
 from tests.procs import alive, descendants, replica_pid
 from tests.strategy.runs import run_root

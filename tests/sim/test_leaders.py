@@ -6,7 +6,7 @@ import pickle
 
 from lightning_ft.coord.quorum import Quorum
 from lightning_ft.coord.store import EtcdStore, MemoryStore
-from lightning_ft.replica.data import verify_ledger
+from lightning_ft.replica.ledger import verify_ledger
 from lightning_ft.sim.leaders import PREFIX, CountingStore, rank_addresses, run_leaders
 
 

@@ -157,7 +157,7 @@ class MLP(L.LightningModule):
 
     def train_dataloader(self):
         if self.a.ddp:  # reference: the same slot order ft_hsdp uses, slot = DDP rank
-            from lightning_ft.replica.data import SlotStream
+            from lightning_ft.replica.ledger import SlotStream
 
             stream = SlotStream(len(self.data), self.a.batch * self.a.accumulate, self.a.ddp, seed=0)
             rank = self.global_rank

@@ -85,7 +85,7 @@ def test_the_loss_scale_travels_in_catch_up_fsdp2_w2(tmp_path, etcd_endpoint):
 @pytest.mark.parametrize("bad", [{"scale": float("inf"), "_growth_tracker": 0}, {"scale": -1.0},
                                  {"scale": 2.0, "_growth_tracker": -3}, {"scale": "big"}, [1.0]])
 def test_a_catch_up_refuses_a_loss_scale_that_cannot_be_one(bad):
-    from lightning_ft.replica.catchup import CatchupError, check_meta
+    from lightning_ft.replica.catchup.http import CatchupError, check_meta
 
     with pytest.raises(CatchupError, match="loss scale cannot be applied"):
         check_meta({"step": 3, "param_groups": [{"lr": 0.1}], "scaler": bad}, [{"lr": 0.1, "params": []}])

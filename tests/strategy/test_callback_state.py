@@ -5,7 +5,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-from lightning_ft.replica.catchup_wire import check_meta
+from lightning_ft.replica.catchup.wire import check_meta
 from lightning_ft.strategy.callback_state import CallbackState
 
 

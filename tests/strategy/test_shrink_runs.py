@@ -12,7 +12,7 @@ import argparse
 import pytest
 import torch
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 from tests.strategy.lit_script import MLP, Teacher
 from tests.strategy.runs import lft_run, ok
 

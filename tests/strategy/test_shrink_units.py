@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 from lightning_ft.strategy import stepping
 from lightning_ft.strategy.sampler import FTBatchSampler
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, cast
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_SKEW_S, SEND_CHUNK, _LEN, Part, bytes_of,
+from lightning_ft.replica.catchup.wire import (ACK, MAC_BYTES, MAX_SKEW_S, SEND_CHUNK, _LEN, Part, bytes_of,
                                                local_tag, log, pieces, request_tag, response_macs, spec_of)
 from lightning_ft.threads import Thread
 
@@ -73,7 +73,7 @@ class _Send:
 
 class StateServer:
     """Serves the current publication of one rank's state shard over HTTP (see the module
-    docstring of `lightning_ft.replica.catchup`)."""
+    docstring of `lightning_ft.replica.catchup.http`)."""
 
     freeze_wait_s: float = 2.0
     """How long freeze/retire wait for a chunk send before shutting its stalled socket down."""

@@ -88,9 +88,9 @@ from typing import TYPE_CHECKING, Callable, Optional, cast
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from lightning_ft.replica.catchup_server import StateServer
-from lightning_ft.replica.catchup_transport import CatchupTransport
-from lightning_ft.replica.catchup_wire import (ACK, MAC_BYTES, MAX_PARTS, RECV_CHUNK, SEND_CHUNK, _LEN,
+from lightning_ft.replica.catchup.server import StateServer
+from lightning_ft.replica.catchup.transport import CatchupTransport
+from lightning_ft.replica.catchup.wire import (ACK, MAC_BYTES, MAX_PARTS, RECV_CHUNK, SEND_CHUNK, _LEN,
                                                CatchupError, Part, bytes_of, check_layout, check_meta, local_tag,
                                                log, pieces, request_tag, response_macs, status_error)
 from lightning_ft.threads import Thread

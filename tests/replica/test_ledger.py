@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from lightning_ft.coord.store import MemoryStore
-from lightning_ft.replica.data import (SlotStream, advance_cursor, cursors_at, read_cursor, read_cursors,
+from lightning_ft.replica.ledger import (SlotStream, advance_cursor, cursors_at, read_cursor, read_cursors,
                                        record_commit, recorded, seed_generation, verify_ledger)
 
 ROOT = "/lft/j/"
@@ -115,7 +115,7 @@ def test_fenced_record_is_refused_after_eviction():
 
 
 def test_batched_records_are_fenced_together_and_advance_each_cursor_once():
-    from lightning_ft.replica.data import record_commits
+    from lightning_ft.replica.ledger import record_commits
 
     store = MemoryStore()
     store.put(ROOT + "members/1", b"r")

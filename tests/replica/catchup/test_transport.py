@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from lightning_ft.replica.catchup import HTTPTransport
-from lightning_ft.replica.catchup_memory import InMemoryTransport
-from lightning_ft.replica.catchup_wire import CatchupError
+from lightning_ft.replica.catchup.http import HTTPTransport
+from lightning_ft.replica.catchup.memory import InMemoryTransport
+from lightning_ft.replica.catchup.wire import CatchupError
 
 SECRET = b"job-secret-0123456789abcdef"
 

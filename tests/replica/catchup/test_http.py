@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from lightning_ft.replica.catchup import CatchupError, StateServer, _request_headers, fetch_state
+from lightning_ft.replica.catchup.http import CatchupError, StateServer, _request_headers, fetch_state
 
 SECRET = b"job-secret"
 
@@ -403,7 +403,7 @@ def test_a_response_altered_in_flight_is_refused(server, where):
 
 
 def test_only_known_meta_keys_are_applied(server):
-    from lightning_ft.replica.catchup import check_meta
+    from lightning_ft.replica.catchup.http import check_meta
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     theirs = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -453,7 +453,7 @@ def test_parts_on_parallel_connections_roundtrip_bitwise_and_complete_once_all_a
 
 
 def test_a_fetch_whose_parts_did_not_all_arrive_is_not_completed_and_freeze_keeps_everything(server):
-    from lightning_ft.replica.catchup_wire import Part
+    from lightning_ft.replica.catchup.wire import Part
 
     state = {f"w{i}": torch.randn(1 << 16) for i in range(4)}  # 1 MB
     server.publish(2, state, {}, expected={"r1"})
@@ -474,7 +474,7 @@ def test_a_fetch_whose_parts_did_not_all_arrive_is_not_completed_and_freeze_keep
 def test_a_fetcher_completes_only_once_every_part_is_acknowledged(server):
     """A fetch of 3 parts whose first two parts were acknowledged is not complete (the healthy
     rank may not drop the state a third part still needs); the third ACK completes it."""
-    from lightning_ft.replica.catchup_wire import ACK, Part
+    from lightning_ft.replica.catchup.wire import ACK, Part
 
     state = {f"w{i}": torch.randn(1 << 10) for i in range(3)}  # 12 KB: fits the unread socket buffers
     server.publish(4, state, {}, expected={"r1"})
@@ -531,7 +531,7 @@ def test_a_server_without_the_secret_writes_nothing_into_a_parallel_fetch(monkey
 def test_parts_of_two_publications_are_never_mixed(server, monkeypatch):
     """The version is republished between the parts' requests: the headers differ (another
     publication id), so the fetch fails before any tensor byte is written."""
-    import lightning_ft.replica.catchup as client
+    import lightning_ft.replica.catchup.http as client
 
     state = {f"w{i}": torch.randn(1 << 16) for i in range(2)}
     server.publish(5, state, {})
@@ -568,7 +568,7 @@ class _Inline:
 def _truncating_proxy(upstream: str, tensor_bytes: int) -> tuple[str, threading.Thread]:
     """A proxy for one request that passes the response through the header MAC and then only
     `tensor_bytes` bytes of the body before it closes: a healthy rank that died while serving."""
-    from lightning_ft.replica.catchup_wire import MAC_BYTES
+    from lightning_ft.replica.catchup.wire import MAC_BYTES
 
     lsock = socket.create_server(("127.0.0.1", 0))
     host, port = upstream.split(":")
@@ -633,7 +633,7 @@ def test_a_same_host_fetch_goes_over_the_local_listener_bitwise_and_completes(se
 
 
 def test_the_local_answer_is_trusted_only_with_the_secrets_tag(server):
-    from lightning_ft.replica.catchup import _local_name
+    from lightning_ft.replica.catchup.http import _local_name
 
     assert _local_name(server.address, SECRET, 2.0) == server.local_name
     assert _local_name(server.address, b"another-secret", 2.0) is None  # the tag does not verify
@@ -651,7 +651,7 @@ def test_the_local_answer_is_trusted_only_with_the_secrets_tag(server):
 def test_a_local_listener_that_does_not_answer_falls_back_to_tcp(server, monkeypatch):
     """Another host or network namespace does not reach the server's abstract socket: the parts
     go over TCP, with the MACs over every byte."""
-    import lightning_ft.replica.catchup as catchup
+    import lightning_ft.replica.catchup.http as catchup
 
     state = _state(2)
     server.publish(2, state, {})
@@ -671,7 +671,7 @@ def test_the_local_listener_refuses_what_tcp_refuses(server):
     with sock:
         sock.sendall(b"GET /state/3 HTTP/1.0\r\nX-LFT-Fetcher: r1/rank0\r\n\r\n")
         assert sock.recv(64).startswith(b"HTTP/1.0 401")
-    from lightning_ft.replica.catchup import _connect_local, _request
+    from lightning_ft.replica.catchup.http import _connect_local, _request
 
     sock = _connect_local(server.local_name, 5.0)
     assert sock is not None

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from lightning_ft.replica.catchup_transport import CatchupTransport
-from lightning_ft.replica.catchup_wire import (MAX_PARTS, CatchupError, bytes_of, check_layout, check_meta, log,
+from lightning_ft.replica.catchup.transport import CatchupTransport
+from lightning_ft.replica.catchup.wire import (MAX_PARTS, CatchupError, bytes_of, check_layout, check_meta, log,
                                                spec_of, status_error)
 
 _ids = itertools.count(1)
