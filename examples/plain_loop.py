@@ -173,7 +173,8 @@ def main(argv: list[str]) -> int:
     from lightning_ft.coord.coordinator import JobFinished
     from lightning_ft.replica.group import ReplicaGroup
     from lightning_ft.replica.batch_policy import own_todo
-    from lightning_ft.replica.manager import ReplicaManager
+    from lightning_ft.replica.core import Do
+    from lightning_ft.replica.replica import Replica
     from lightning_ft.replica.settings import Identity, Settings
 
     from lightning_ft import secret
@@ -215,7 +216,7 @@ def main(argv: list[str]) -> int:
                         bind_host=cfg.network.bind_host, advertise_host=cfg.network.advertise_host,
                         stragglers=cfg.stragglers, hang_report_after_s=cfg.hang.report_after_s,
                         hang_timeout_s=cfg.etcd.hang_timeout_s)
-    mgr = ReplicaManager(model, opt, who, settings, group=ReplicaGroup(rank, world, pg), run_dir=renv.run_dir)
+    mgr = Replica(model, opt, who, settings, group=ReplicaGroup(rank, world, pg), run_dir=renv.run_dir)
     mgr.micro_batches = a.micro if a.micro > 1 else 0  # it trains any micro-batch of any slot (extra below)
     if renv.standby and rank == 0:
         emit(event="standby", token=renv.standby)
@@ -261,20 +262,23 @@ def main(argv: list[str]) -> int:
             box["breakdown"] = True
             emit(event="restart_breakdown", rid=rid, inc=inc, **mgr.restart_breakdown)
 
-    mgr.on_commit = lambda plan: row("step", plan)
-    mgr.on_retry = lambda plan: row("retry", plan)
-    def after_exchange() -> bool:  # on the averaged gradients, the same on every replica
+    def check(plan) -> bool:  # on the averaged gradients, the same on every replica
         if a.clip:
             nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        plan = mgr.last_plan
         chosen = not a.fail_replicas or str(rid) in a.fail_replicas.split(",")
         if inc == 0 and plan.step == a.fail_commit_at and chosen:
             a.fail_commit_at = -1  # --fail-commit-at: a partial completion, this replica votes "failed"
             return False
         return True
 
-    if a.clip:
-        mgr.clip_catchup = lambda: nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+    def books(ask) -> None:
+        """A catch-up's clip (as the contributors clipped) and one row per commit or retry."""
+        if ask.do is Do.CLIP and a.clip:
+            nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        elif ask.do is Do.COMMITTED:
+            row("step", ask.plan)
+        elif ask.do is Do.RETRIED:
+            row("retry", ask.plan)
 
     slow_file = a.slow_file.replace("{rid}", str(rid))
 
@@ -312,7 +316,6 @@ def main(argv: list[str]) -> int:
         own = [j for j in range(a.micro) if j not in plan.skip]
         box["loss"] = sum(train_micro(rid, plan.batch_index, j) for j in own) / len(own)
         box["own"] = set(own)
-        mgr.share = (len(own), a.micro)
         if inc == 0 and plan.step == a.kill_in_exchange_at:
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
         if inc == 0 and rank == 0 and a.stop_in_exchange == f"{rid}@{plan.step}":
@@ -329,7 +332,8 @@ def main(argv: list[str]) -> int:
                 emit(event="finished_already", rid=rid, inc=inc, step=done)
             return 0
         try:
-            mgr.prepare()
+            for ask in mgr.prepare():
+                books(ask)
         except JobFinished as e:  # it finished while this replica was starting
             if leader:
                 emit(event="finished_already", rid=rid, inc=inc, reason=str(e))
@@ -345,7 +349,21 @@ def main(argv: list[str]) -> int:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if a.stop_file and os.path.exists(a.stop_file):
                 mgr.request_stop = True  # the job stops after the step every replica agrees on
-            res = mgr.run_step(compute, after_exchange=after_exchange, extra=extra if a.micro > 1 else None)
+            step = mgr.begin(extras=a.micro > 1)
+            for ask in step:  # the step: what the replica asks of this loop, in order
+                if ask.do is Do.COMPUTE:
+                    compute(ask.plan)
+                    step.share = (len(box["own"]), a.micro)
+                elif ask.do is Do.RECOMPUTE:
+                    opt.zero_grad(set_to_none=True)
+                    compute(ask.plan)
+                elif ask.do is Do.EXTRA:
+                    extra(ask.plan)
+                elif ask.do is Do.CHECK:
+                    step.veto = not check(ask.plan)
+                else:
+                    books(ask)
+            res = step.result
             if res.stop or (res.caught_up and mgr.finished_step() is not None):
                 break  # the job agreed to stop here, or finished (we adopted its final state)
         mgr.mark_finished()  # a replica restarted from now on finds nothing to train (no lone rewind)

@@ -11,7 +11,7 @@ from lightning_ft.config import ConfigError, load_config
 from lightning_ft.constants import BatchPolicy, ExitCode, LRMode, Role
 from lightning_ft.coord.quorum import Quorum, adopt_role
 from lightning_ft.replica.batch_policy import round_batches
-from lightning_ft.replica.manager import lr_factor
+from lightning_ft.replica.plan import lr_factor
 
 
 @pytest.mark.parametrize("mode,want", [(LRMode.NONE, 1.0), (LRMode.LINEAR, 0.25), (LRMode.SQRT, 0.5)])

@@ -63,7 +63,7 @@ class FailureInjector(Callback):
             self._signalled = False
             raise InjectedFailure(f"injected exception (SIGUSR1) in replica {trainer.strategy.rid}")
         inj = self._mine
-        mgr = trainer.strategy.mgr
+        mgr = trainer.strategy.replica
         if inj is None or self._fired or mgr is None or mgr.step < inj.step:
             return
         self._fired = True

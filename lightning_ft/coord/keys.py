@@ -24,7 +24,7 @@ call these.
     finished                       the job trained to completion: {step, rid, incarnation}
     done/{rid}                     a replica ended at the final step: {step, incarnation}
                                    (a finisher serves its state until the others are done;
-                                   replica/ending.py)
+                                   replica/catchup/ending.py)
     halt                           the job stopped on an error every replica must obey
     launchers/{name}               a live launcher of this run, bound to its lease
     stall/{rid}                    a leader's exchange waiting past hang.report_after_s: its FTAR

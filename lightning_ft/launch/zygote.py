@@ -88,7 +88,7 @@ def default_preload(target: Optional[tuple[str, str, list[str]]]) -> list[str]:
         if re.search(r"^\s*(?:import|from)\s+lightning\b", src, re.M):  # not lightning_ft
             mods.append("lightning.pytorch")
         if re.search(r"^\s*(?:import|from)\s+lightning_ft\.replica\b", src, re.M):
-            mods.append("lightning_ft.replica.manager")
+            mods.append("lightning_ft.replica.replica")
     return mods
 
 

@@ -38,7 +38,8 @@ from typing import Optional, Union
 from lightning_ft.coord.membership import JobFinished
 from lightning_ft.coord.round_records import Quorum
 from lightning_ft.replica.batch_policy import round_batches
-from lightning_ft.replica.plan import FAILED, OK, LOST, ReplicaStateLost, StaleManualStep, StepPlan, StepResult, lr_factor
+from lightning_ft.replica.plan import (FAILED, LOST, OK, ReplicaStateLost, StaleManualStep, StepPlan, StepResult,
+                                       lr_factor)
 
 
 class Do(StrEnum):
@@ -319,8 +320,8 @@ class StepCore:
             if plan.batch_index < b:
                 self.result.stale = True  # a rewind moved our cursor back: the caller re-positions
                 return Action(Do.DONE, disarm=True)
-            raise RuntimeError(f"replica {self.spec.rid}: the quorum assigns slot batch {plan.batch_index} but the loader delivered "
-                               f"batch {b}")
+            raise RuntimeError(f"replica {self.spec.rid}: the quorum assigns slot batch {plan.batch_index} but the "
+                               f"loader delivered batch {b}")
         if self.computed and self.in_grads and self.in_grads != plan.extras:
             self.replaced = True  # they hold another round's extra batches: start over
         if self.computed and self.replaced:
@@ -331,8 +332,8 @@ class StepCore:
                 self.result.stale = not self.spec.cont
                 return Action(Do.DONE, disarm=True)
             if not self.can_recompute:
-                raise StaleManualStep(f"replica {self.spec.rid} fell behind with a half-trained manual-optimization step; "
-                                      "exiting so that the launcher restarts it and it catches up first")
+                raise StaleManualStep(f"replica {self.spec.rid} fell behind with a half-trained manual-optimization "
+                                      "step; exiting so that the launcher restarts it and it catches up first")
             self.replaced, self.in_grads = False, self._fresh
             return Action(Do.RECOMPUTE, plan, disarm=True)
         if not self.computed:
@@ -343,10 +344,10 @@ class StepCore:
     def _extras_or_exchange(self, plan: StepPlan) -> Action:
         if self.in_grads != plan.extras and (plan.extras or self.in_grads is None):
             if not self.spec.extras:
-                raise RuntimeError(f"replica {self.spec.rid}: the round assigns absent slots' batches {list(plan.extra)} (batch_policy "
-                                   f"'constant') or a shrunk straggler's micro-batches {list(plan.micro)} "
-                                   f"(skipping {list(plan.skip)} of its own), but its caller trains no extras "
-                                   "(StepSpec.extras)")
+                raise RuntimeError(f"replica {self.spec.rid}: the round assigns absent slots' batches "
+                                   f"{list(plan.extra)} (batch_policy 'constant') or a shrunk straggler's "
+                                   f"micro-batches {list(plan.micro)} (skipping {list(plan.skip)} of its own), but "
+                                   "its caller trains no extras (StepSpec.extras)")
             self.in_grads = plan.extras
             return Action(Do.EXTRA, plan)
         # A retry recomputes when it can; only a caller that cannot pays for a saved copy.
@@ -354,8 +355,8 @@ class StepCore:
 
     def _voted(self, plan: StepPlan, result: int) -> Action:
         if result == LOST:
-            raise ReplicaStateLost(f"replica {self.spec.rid}: a catch-up failed midway; the state is partly overwritten, so this "
-                                   "replica exits to restart fresh")
+            raise ReplicaStateLost(f"replica {self.spec.rid}: a catch-up failed midway; the state is partly "
+                                   "overwritten, so this replica exits to restart fresh")
         if result != OK:
             return Action(Do.RETRY, plan)
         if plan.role == "catchup":
@@ -395,8 +396,7 @@ class StepCore:
 
 
 # -- the round's plan, from its quorum (pure) ----------------------------------------------------------
-def adopt_role_plan(q: Quorum, rid: int, role: str, cursor: int, policy: str, lr_mode: str, replicas: int
-                    ) -> StepPlan:
+def plan_of(q: Quorum, rid: int, role: str, cursor: int, policy: str, lr_mode: str, replicas: int) -> StepPlan:
     """The plan of round `q` for replica `rid` in `role`, at its slot's `cursor`."""
     cont = q.kind == "train" and q.cont  # rule 15: the batch was counted at its first step
     rb = None if q.kind != "train" or cont else round_batches(

@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import json
 import random
+import threading
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.store import Store
@@ -265,3 +266,43 @@ def read_cursors(store: Store, root: str, slots: Sequence[int], gen: Optional[in
     """The slots' cursors in generation `gen` (default: the newest)."""
     g = latest_gen(store, root) if gen is None else gen
     return {s: read_cursor(store, root, s, g) for s in slots}
+
+
+# -- this replica's records on their way to the ledger -----------------------------------------------
+class LedgerWriter:
+    """A replica leader's commit records on their way to the ledger (docs/ARCHITECTURE.md,
+    "Exactly once"). A commit only appends (`add`, the training thread); `flush` writes what
+    accumulated, fenced, before the leader reports for a full round, before a checkpoint, at
+    the end of the job and at close: a steady round writes nothing to etcd. `flush` runs on
+    the thread that runs the round (the quorum thread, while the training thread computes) or
+    on the training thread; the lock orders the two."""
+
+    def __init__(self, store: Store, root: str, rid: int, fence: Callable[[], dict[str, int]]) -> None:
+        self.store, self.root, self.rid = store, root, rid
+        self._fence = fence
+        self._pending: list[tuple] = []
+        self._lock = threading.Lock()
+        self.flushes = 0
+
+    def add(self, step: int, epoch: int, round: int, gen: int, batches: Mapping[int, int]) -> None:
+        """A commit of `step` (in `round`, generation `gen`) that trained `batches` {slot: k}."""
+        with self._lock:
+            self._pending.append((step, epoch, round, gen, dict(batches)))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> Optional[tuple[int, int]]:
+        """Record the pending commits (one fenced transaction) and advance the cursors. Returns
+        None when they are recorded (or there were none), else the (first, last) steps the
+        ledger refused: this incarnation was evicted or its lease lapsed, so the others may
+        have redone those steps without it (the caller disowns its state)."""
+        with self._lock:
+            recs, self._pending = self._pending, []
+            if not recs:
+                return None
+            self.flushes += 1
+            if record_commits(self.store, self.root, self.rid, recs, fence=self._fence()):
+                return None
+        return recs[0][0], recs[-1][0]

@@ -1,115 +1,242 @@
-"""A round (docs/ARCHITECTURE.md, "Rounds"): the leader's report and the quorum's decision (full
-rounds through etcd, steady rounds without it), handed to every rank with its ring neighbours and
-state source; the ring rebuilt on a new epoch; the plan of the round; the early start that
-overlaps the quorum with backward (`begin_step`)."""
+"""The round client of one rank (docs/ARCHITECTURE.md, "Rounds"): the leader's report and the
+quorum's decision (a full round through etcd, a steady round without it), handed to every rank
+of the replica with its ring neighbours and the state source it fetches from; the ring rebuilt
+on a new epoch; this replica's plan of the round (core.plan_of), and our state served to the
+lagging members of a round we train in.
+
+A round runs on one thread at a time: the quorum thread while it overlaps forward/backward
+(`Replica.begin_step`), else the training thread, which hands the client over through the
+round's future and reads nothing of it before the future resolves. The client reads the
+replica's state only from the `RoundView` snapshot the training thread took, and returns what
+the round changed (`Round`) instead of writing it."""
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-
+from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.quorum import LocalView, Quorum, adopt_role, must_abort, steady_next
 from lightning_ft.coord.store import StoreError
+from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.ring import neighbours
-from lightning_ft.ftar.transport.base import FTARError, FatalError, RecoverableError
+from lightning_ft.ftar.transport.base import FatalError, FTARError, RecoverableError
 from lightning_ft.replica import ledger
-from lightning_ft.replica.batch_policy import round_batches
+from lightning_ft.replica.catchup.transfer import StateTransfer
+from lightning_ft.replica.core import plan_of
+from lightning_ft.replica.group import ReplicaGroup
+from lightning_ft.replica.guard import Digests
+from lightning_ft.replica.plan import StepPlan
+from lightning_ft.replica.replica_state import ReplicaState
+from lightning_ft.replica.settings import Settings
 from lightning_ft.threads import name_current
-
-from lightning_ft.replica.plan import StepPlan, StepStats, lr_factor
-from lightning_ft.replica.sync import Sync
 
 log = logging.getLogger(__name__)
 
 
-class Rounds(Sync):
-    """The quorum of each round and its ring (over sync)."""
+@dataclass(frozen=True)
+class RoundView:
+    """What this replica says of itself in a round, as the training thread saw it."""
 
-    def start_step(self) -> StepPlan:
-        """Report and obtain this round's quorum (every rank; the leader talks to etcd) and
-        prepare the ring. Safe to run on a background thread (`begin_step`)."""
+    state: ReplicaState
+    committed_round: int
+    """The round of our last commit (a steady round follows only a committed one)."""
+    stop: bool = False
+    bad_checkpoints: tuple[int, ...] = ()
+    phase: tuple[int, bool] = (0, False)
+    micro: int = 0
+    compute: Optional[tuple[float, int]] = None
+    """(mean compute ms of the last window, the round it ends at), once a window is measured."""
+    cursor_stale: bool = False
+    """A commit failed since the cursor was read: others may have committed our batch."""
+    multi: bool = False
+    """Several optimizers (quorum rule 15)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round decided for this rank."""
+
+    quorum: Quorum
+    cursor: int
+    """Our slot's cursor for the round (re-read from the ledger where the round needs it)."""
+    cursor_read: bool
+    """The cursor was re-read from the ledger (the view's `cursor_stale` is answered)."""
+    refused: Optional[tuple[int, int]]
+    """Steps the ledger refused to record for us (evicted or lapsed): the state is disowned."""
+    quorum_s: float
+    reconfigure_s: float
+    plan: StepPlan
+    """This replica's plan of the round."""
+
+
+class RoundClient:
+    """The rounds of one rank; the leader also owns the coordinator's side of them."""
+
+    def __init__(self, rid: int, group: ReplicaGroup, ftar: FTAR, digests: Digests, transfer: StateTransfer,
+                 rank_addrs: list[str], settings: Settings, replicas: int) -> None:
+        self.rid, self.group, self.ftar, self.digests, self.transfer = rid, group, ftar, digests, transfer
+        self.settings, self.replicas = settings, replicas
+        self.rank_addrs = rank_addrs
+        """Every rank's FTAR address in this replica (the leader forwards aborts to them)."""
+        self.coord: Optional[Coordinator] = None
+        """The leader's coordinator (None on other ranks)."""
+        self.writer: Optional[ledger.LedgerWriter] = None
+        """The leader's ledger writer: flushed before each full round's report."""
+        self.epoch = -1
+        """The ring epoch FTAR is connected for."""
+        self.ring_ok = True
+        """False after a failed exchange or commit: report it, and the next round rebuilds the ring."""
+        self.blame: tuple[int, ...] = ()
+        self._peers_epoch = -1
+        self._ring_peers: tuple[int, Optional[str], Optional[str]] = (-1, None, None)
+        """(epoch, left, right): this rank's ring neighbours' FTAR addresses, from the leader."""
+        self._src_state: tuple[int, Optional[str]] = (-1, None)
+        """(round, address): the state server this rank fetches from in that round."""
+        self._bg: Optional[ThreadPoolExecutor] = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.is_leader
+
+    def source(self, round: int) -> Optional[str]:
+        """The state-server address this rank fetches from in `round` (None: none was handed out)."""
+        got, addr = self._src_state
+        return addr if got == round else None
+
+    def next(self, view: RoundView) -> Round:
+        """Report and obtain the next round (every rank; the leader talks to etcd), and connect
+        the ring if its epoch changed."""
         t0 = time.perf_counter()
-        digest = self._replica_digest()
+        digest = self.digests.for_report(view.state.step)
         msg: Any = None
+        refused = None
         if self.is_leader:
             try:
+                assert self.coord is not None  # the leader registered in start()
                 self.coord.heartbeat()
-                msg = self._steady_round()
+                msg = self._steady_round(view)
             except Exception as e:
                 msg = e
         if self.is_leader and msg is None:
             try:
-                self.flush_ledger()  # the previous steps' records precede our report for this one
-                if self._cursor_stale:  # a failed commit: others may have committed our batch
-                    self.cursor = max(self.cursor, ledger.read_cursor(self.store, self.root, self.rid, self.gen))
-                    self._cursor_stale = False
-                state = self._report_state(digest)
-                q = self.coord.quorum(self.step, timeout_s=self.settings.quorum_timeout_s, cursor=self.cursor,
-                                      ring_ok=self._ring_ok and not self.ftar.broken, **state)
-                if adopt_role(q, self.rid) == "catchup":
-                    # Read after the decision: the contributors recorded the previous step
-                    # (possibly with our batch, if we failed to commit it) before reporting.
-                    self.cursor = ledger.read_cursor(self.store, self.root, self.rid, q.gen)
-                msg = (q, self.cursor)
+                msg, refused = self._full_round(view, digest)
             except Exception as e:  # Evicted, QuorumTimeout, JobHalted, StoreError: every rank must exit
                 msg = e
         table = self._peer_table(msg[0]) if self.is_leader and isinstance(msg, tuple) else None
         if isinstance(msg, tuple):
-            msg = (*msg, table is not None)
+            msg = (*msg, table is not None, refused)
         msg = self.group.broadcast(msg)
         if isinstance(msg, Exception):
             raise msg
-        q, self.cursor, scatter = msg
+        q, cursor, read, scatter, refused = msg
         if scatter:  # the ring changed, or we fetch a state: each rank gets its own addresses
             mine = self.group.scatter(table)
             if "left" in mine:
                 self._ring_peers = (q.epoch, mine["left"], mine["right"])
             if "src" in mine:
                 self._src_state = (q.round, mine["src"])
-        self.stats = StepStats(quorum_s=time.perf_counter() - t0, retries=self.stats.retries)
+        quorum_s = time.perf_counter() - t0
+        reconfigure_s = self._connect(q) if q.epoch != self.epoch else 0.0
         role = adopt_role(q, self.rid)
-        if q.epoch != self._epoch:  # a failed exchange (ring_ok=False) always bumps the epoch
-            try:
-                epoch, left, right = self._ring_peers
-                if epoch != q.epoch or left is None or right is None:
-                    raise RecoverableError(None, f"no addresses for the ring of epoch {q.epoch} (a neighbour is gone)")
-                self.stats.reconfigure_s = self.ftar.join(q.epoch, len(q.members), q.index(self.rid), left, right)
-                self._epoch = q.epoch
-                self._ring_ok, self._blame = True, ()
-            except FatalError:
-                raise
-            except FTARError as e:  # a neighbour died while connecting: this round fails, the next rebuilds
-                log.warning("replica %d rank %d: connecting the ring of epoch %d failed: %s", self.rid,
-                            self.rank, q.epoch, e)
-                self._ring_ok, self._blame = False, self._blamed(q, e)
-        if role == "train" and q.lagging:
-            self._publish_snapshot(q)
-        cont = q.kind == "train" and q.cont  # rule 15: the batch was counted at its first step
-        rb = None if q.kind != "train" or cont else round_batches(
-            self.batch_policy, q.contributors, {c: q.cursor_of(c) for c in q.contributors}, self.R, q.slot_cursors,
-            q.shrunk)
-        trained = rb.divisor if rb is not None else len(q.contributors)
-        mine = rb if rb is not None and role == "train" else None  # what this replica trains besides its batch
-        plan = StepPlan(step=q.max_step, quorum=q, role=role, divisor=trained,
-                        lr_factor=lr_factor(self.lr_mode, trained, self.R), batch_index=self.cursor,
-                        batches=rb.batches if rb is not None else ({} if cont else None),
-                        extra=mine.extra_of(self.rid) if mine is not None else (),
-                        micro=mine.micro_of(self.rid) if mine is not None else (),
-                        skip=mine.skip_of(self.rid) if mine is not None else (),
-                        opt=q.opt, cont=cont)
-        if self.multi:
-            # A round nobody named an optimizer for (-1) is trained with the contributors' own
-            # first one; a lagging replica cannot know it, and sits it out (`exchange`).
-            if plan.opt < 0 and role == "train" and self.phase[0] >= 0:
-                plan = replace(plan, opt=self.phase[0])
-            self.buckets = self._all_buckets[max(plan.opt, 0)]
-        self.last_plan = plan
-        return plan
+        if q.lagging and role == "train":
+            self.transfer.publish_for(q, self.rid, self.group.rank, view.state.step, view.state.batches)
+        st = self.settings
+        plan = plan_of(q, self.rid, role, cursor, st.batch_policy, st.lr_intervention, self.replicas)
+        if view.multi and plan.opt < 0 and role == "train" and view.phase[0] >= 0:
+            # A round nobody named an optimizer for is trained with the contributors' own first one;
+            # a lagging replica cannot know it, and sits it out (step.py's exchange).
+            plan = replace(plan, opt=view.phase[0])
+        return Round(q, cursor, read, refused, quorum_s, reconfigure_s, plan)
+
+    def _full_round(self, view: RoundView, digest: Optional[tuple[int, str]]
+                    ) -> tuple[tuple, Optional[tuple[int, int]]]:
+        """Leader: record our commits, report, and wait for the round's decision."""
+        assert self.coord is not None and self.writer is not None  # the leader's, from start()
+        state = view.state
+        refused = self.writer.flush()  # the previous steps' records precede our report for this one
+        if refused is not None:
+            state = state.disown()
+        cursor, root, read = state.cursor, self.coord.root, False
+        if view.cursor_stale:  # a failed commit: others may have committed our batch
+            cursor, read = max(cursor, ledger.read_cursor(self.writer.store, root, self.rid, state.gen)), True
+        report = self._report(view, state, digest)
+        q = self.coord.quorum(state.step, timeout_s=self.settings.quorum_timeout_s, cursor=cursor,
+                              ring_ok=self.ring_ok and not self.ftar.broken, **report)
+        if adopt_role(q, self.rid) == "catchup":
+            # Read after the decision: the contributors recorded the previous step (possibly
+            # with our batch, if we failed to commit it) before reporting.
+            cursor = ledger.read_cursor(self.writer.store, root, self.rid, q.gen)
+        return (q, cursor, read), refused
+
+    def _report(self, view: RoundView, state: ReplicaState, digest: Optional[tuple[int, str]]) -> dict[str, Any]:
+        """Leader: what our full-round report says about us (Coordinator.quorum's fields). A
+        disowned state claims no generation, so the quorum never counts it as the job's."""
+        out: dict[str, Any] = state.report()
+        out.update(blame=self.blame, stop=view.stop, bad_checkpoints=view.bad_checkpoints, opt=view.phase[0],
+                   cont=view.phase[1], micro=view.micro)
+        if view.compute is not None:
+            out.update(compute_ms=round(view.compute[0], 3), compute_round=view.compute[1])
+        else:  # not measured since we (re)joined: say so, or the report would keep an old value
+            out.update(compute_ms=-1.0, compute_round=-1)
+        if digest is not None:
+            out.update(digest=digest[1], digest_step=digest[0])
+        return out
+
+    def _steady_round(self, view: RoundView) -> Optional[tuple]:
+        """Leader: the next round without etcd when nothing changed (quorum.steady_next); else
+        None, after stopping the others from going steady when they may (`must_abort`)."""
+        coord = self.coord
+        assert coord is not None
+        q = coord.current
+        if q is None:
+            return None
+        lv = LocalView(committed=view.committed_round == q.round, changed=coord.changed,
+                       digest_due=self.digests.due(q.max_step + 1), stop=view.stop, opt=view.phase[0],
+                       cont=view.phase[1])
+        nxt = steady_next(q, lv)
+        if nxt is None:
+            if must_abort(q, lv):
+                self.abort_ring(f"replica {self.rid} needs a full round after round {q.round}")
+            if q.steady and not lv.committed:  # our steady round failed: report for its number
+                coord.retract_steady()
+            return None
+        coord.adopt_steady(nxt)
+        if self.rid == nxt.members[0]:  # one leader records it, off the critical path
+            if self._bg is None:
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
+                                              initargs=(f"lft-bg-r{self.rid}",))
+            self._bg.submit(coord.record_steady, nxt)
+        return (nxt, view.state.cursor, False)
+
+    def _connect(self, q: Quorum) -> float:
+        """Connect FTAR for the ring of `q`'s epoch (a failed exchange always bumps it); the
+        seconds it took. A neighbour that died while connecting fails this round; the next
+        rebuilds the ring."""
+        try:
+            epoch, left, right = self._ring_peers
+            if epoch != q.epoch or left is None or right is None:
+                raise RecoverableError(None, f"no addresses for the ring of epoch {q.epoch} (a neighbour is gone)")
+            seconds = self.ftar.join(q.epoch, len(q.members), q.index(self.rid), left, right)
+            self.epoch = q.epoch
+            self.ring_ok, self.blame = True, ()
+            return seconds
+        except FatalError:
+            raise
+        except FTARError as e:
+            log.warning("replica %d rank %d: connecting the ring of epoch %d failed: %s", self.rid,
+                        self.group.rank, q.epoch, e)
+            self.ring_ok, self.blame = False, self.blamed(q, e)
+            return 0.0
+
+    def exchange_failed(self, q: Quorum, e: FTARError) -> None:
+        """An exchange of round `q` failed: rebuild the ring next round. An exchange on a ring
+        that failed to connect fails at once without a peer: keep the blame of the connect,
+        which named the neighbour that did not answer."""
+        self.ring_ok, self.blame = False, self.blamed(q, e) or self.blame
 
     def _peer_table(self, q: Quorum) -> Optional[list[dict]]:
         """Leader: what each of our ranks needs of other replicas' addresses for round `q`
@@ -117,6 +244,8 @@ class Rounds(Sync):
         rank in their replicas). A round in which we catch up or adopt: the state server each
         rank fetches from. Read through the coordinator's address book (coord/addresses.py):
         two replicas' blocks per ring change, not every member's."""
+        coord = self.coord
+        assert coord is not None
         role = adopt_role(q, self.rid)
         ring = q.epoch != self._peers_epoch
         fetch = role in ("catchup", "adopt")
@@ -126,14 +255,14 @@ class Rounds(Sync):
 
         def of(rid: int) -> Optional[tuple]:
             if rid == self.rid:
-                return tuple(self._rank_addrs), ()
+                return tuple(self.rank_addrs), ()
             try:
-                return self.coord.addresses(rid, incs[rid])
+                return coord.addresses(rid, incs[rid])
             except StoreError as e:  # no addresses: those ranks fail to connect, the round is retried
                 log.warning("replica %d: could not read replica %d's addresses: %s", self.rid, rid, e)
                 return None
 
-        table: list[dict] = [{} for _ in range(self.world)]
+        table: list[dict] = [{} for _ in range(self.group.world)]
         if ring:
             i, n = q.index(self.rid), len(q.members)
             left, right = (of(q.members[j]) for j in neighbours(n, i))
@@ -148,57 +277,7 @@ class Rounds(Sync):
                 entry["src"] = src[1][r] if src else None
         return table
 
-    def _report_state(self, digest: Optional[tuple[int, str]] = None) -> dict[str, Any]:
-        """Leader: what our full-round report says about our state (Coordinator.quorum's fields).
-        A disowned state claims no generation, so the quorum never counts it as the job's."""
-        state: dict[str, Any] = self.state.report()
-        state.update(blame=self._blame, stop=self.request_stop, bad_checkpoints=tuple(sorted(self._bad_ckpts)),
-                     opt=self.phase[0], cont=self.phase[1], micro=self.micro_batches)
-        if len(self._compute) >= self.straggler_window:
-            state.update(compute_ms=round(statistics.fmean(self._compute) * 1e3, 3), compute_round=self._compute_round)
-        else:  # not measured since we (re)joined: say so, or the report would keep an old value
-            state.update(compute_ms=-1.0, compute_round=-1)
-        if digest is not None:
-            state.update(digest=digest[1], digest_step=digest[0])
-        return state
-
-    def _steady_round(self) -> Any:
-        """Leader: the next round without etcd when nothing changed (quorum.steady_next); else
-        None, after stopping the others from going steady when they may (`must_abort`)."""
-        q = self.coord.current
-        if q is None:
-            return None
-        view = LocalView(committed=self._committed_round == q.round, changed=self.coord.changed,
-                         digest_due=self.digest_due(q.max_step + 1), stop=self.request_stop,
-                         opt=self.phase[0], cont=self.phase[1])
-        nxt = steady_next(q, view)
-        if nxt is None:
-            if must_abort(q, view):
-                self._abort_ring(q)
-            if q.steady and not view.committed:  # our steady round failed: report for its number
-                self.coord.retract_steady()
-            return None
-        self.coord.adopt_steady(nxt)
-        if self.rid == nxt.members[0]:  # one leader records it, off the critical path
-            if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
-                                              initargs=(f"lft-bg-r{self.rid}",))
-            self._bg.submit(self.coord.record_steady, nxt)
-        return (nxt, self.cursor)
-
-    def _abort_ring(self, q: Quorum) -> None:
-        """Leader: we go to a full round while the others may go steady from `q`. Fail every
-        rank's exchange of every other member now (and ours: the full round rebuilds the ring),
-        before we report, instead of letting them wait for our contribution."""
-        why = f"replica {self.rid} needs a full round after round {q.round}"
-        # Our ranks abort their links; each ring's other members fail at once on the closed
-        # links and close theirs in turn (FTAR aborts a failed all-reduce's links), so the
-        # failure goes round every ring without us dialling any other replica's ranks.
-        self.ftar.abort(why)
-        for addr in self._rank_addrs[1:]:
-            threading.Thread(target=self._abort_rank, args=(addr, why, self._epoch), daemon=True).start()
-
-    def _blamed(self, q: Quorum, e: FTARError) -> tuple[int, ...]:
+    def blamed(self, q: Quorum, e: FTARError) -> tuple[int, ...]:
         """The replica whose FTAR endpoint an error names (for the partition rule)."""
         peer = getattr(e, "peer", None)
         epoch, left, right = self._ring_peers
@@ -210,23 +289,24 @@ class Rounds(Sync):
                 return (rid,)
         return ()
 
-    def begin_step(self, save_grads: bool = True) -> "Future[StepPlan]":
-        """Start this round's quorum in the background and arm the gradient hooks for the
-        coming (final) backward: buckets are all-reduced as soon as the plan is known and
-        their gradients are in. Then pass the future to `run_step(pending=...)`."""
-        self.buckets.arm(save_grads)
-        if self._stash is not None:  # prepare() obtained a training round before any batch
-            plan, self._stash = self._stash, None
-            fut: Future = Future()
-            fut.set_result(plan)
-            self.buckets.plan_known(plan)
-            return fut
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"lft-quorum-r{self.rid}", initializer=name_current,
-                                            initargs=(f"lft-quorum-r{self.rid}",))
-        return self._pool.submit(self._start_and_release)
+    # -- aborts (the leader's watch thread, or a round going to a full round) ------------------------
+    def abort_ring(self, why: str) -> None:
+        """Fail this rank's exchange now and, through their FTAR listeners, our other ranks'. A
+        member dies or is evicted (the coordinator's watch thread), or we go to a full round
+        while the others may go steady: each ring's other members fail at once on the closed
+        links and close theirs in turn, so the failure goes round every ring without us
+        dialling any other replica's ranks."""
+        epoch = self.epoch
+        self.ftar.abort(why)
+        for addr in self.rank_addrs[1:]:
+            threading.Thread(target=self._abort_rank, args=(addr, why, epoch), daemon=True).start()
 
-    def _start_and_release(self) -> StepPlan:
-        plan = self.start_step()
-        self.buckets.plan_known(plan)
-        return plan
+    def _abort_rank(self, addr: str, why: str, epoch: int) -> None:
+        try:
+            self.ftar.abort_peer(addr, why, epoch)
+        except Exception as e:  # the rank may be gone already; its own errors will surface
+            log.warning("replica %d: could not forward abort to %s: %s", self.rid, addr, e)
+
+    def close(self) -> None:
+        if self._bg is not None:
+            self._bg.shutdown(wait=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from lightning_ft.constants import LR_MODES
+from lightning_ft.coord.round_records import JobSpec
 from lightning_ft.replica.batch_policy import POLICIES
 
 
@@ -102,3 +103,23 @@ class Settings:
         if bad:
             raise TypeError(f"unknown replica setting(s) {bad}; the settings are {sorted(known)}")
         return replace(self, **changes) if changes else self
+
+
+def job_spec(st: Settings, who: Identity, world: int, named_params: list[tuple[str, Any]]) -> JobSpec:
+    """The job as this process runs it (what every report is checked against): the config's
+    fingerprint plus what this process really uses, whatever the config said, and what no config
+    holds (the secret's tag, the parameters' layout); the stragglers section (quorum rule 14) or
+    detection off."""
+    from lightning_ft.replica.state import param_layout
+    from lightning_ft.secret import tag
+
+    R = who.num_replicas
+    fp = dict(st.fingerprint or {"job": who.job, "replicas": R, "nproc_per_replica": world})
+    fp.update(job=who.job, replicas=R, nproc_per_replica=world, chunk_bytes=st.chunk_bytes,
+              num_chunks=st.num_chunks, lr_intervention=st.lr_intervention,
+              secret_tag=tag(who.secret, who.job), params=param_layout(named_params))
+    sg = st.stragglers
+    return JobSpec(R, st.min_replicas, st.init_timeout_s, fp, batch_policy=st.batch_policy,
+                   straggler_threshold=float(sg.threshold) if sg is not None else 0.0,
+                   straggler_policy=str(sg.policy) if sg is not None else "wait",
+                   straggler_window=int(sg.window) if sg is not None else 10)

@@ -233,8 +233,8 @@ def op_name(reduce_op: Optional[Any]) -> str:
 def begin_validation(s: Any) -> None:
     """`on_validation_start` of strategy `s`: metrics logged from here on are reduced across the
     replicas, and torchmetrics objects sync over the whole set."""
-    s._reducer.begin("sanity" if s._module.trainer.sanity_checking else "val")
-    sync_metrics(s._module, s._reducer)
+    s.reducer.begin("sanity" if s.module.trainer.sanity_checking else "val")
+    sync_metrics(s.module, s.reducer)
 
 
 def end_validation(s: Any) -> None:
@@ -243,8 +243,8 @@ def end_validation(s: Any) -> None:
     early and evaluate part of the set. Rebuild it at the next validation."""
     from lightning_ft.strategy import lightning_compat
 
-    s._reducer.end()
-    lightning_compat.rebuild_val_loader(s._module.trainer)
+    s.reducer.end()
+    lightning_compat.rebuild_val_loader(s.module.trainer)
 
 
 def decide(reducer: CrossReplicaReducer, ask: Callable[[], bool]) -> bool:

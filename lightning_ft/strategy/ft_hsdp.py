@@ -1,16 +1,17 @@
 """`FTHSDPStrategy`: fault-tolerant HSDP as a Lightning strategy (docs/ARCHITECTURE.md, "Lightning glue").
 
 One Lightning "world" is one replica: W processes running FSDP2 over their own process group
-(Lightning's `ModelParallelStrategy`, gloo on CPU). Across replicas the framework-free
-`ReplicaManager` owns the whole step (quorum, catch-up, sync and rewind rounds, the FTAR
-exchange, the two-phase commit, retries); its `StepResult` says what a step did. This class
-only adapts Lightning's hooks; each hook's work is in a module of its own, functions over the
-strategy: replica_start.py (config, a finished job's late replica, sharding, the replica layer),
-stepping.py (`on_train_start`, `optimizer_step`, Lightning's counters), loaders.py (the
-exactly-once train loader, sharded evaluation), evaluation.py (metrics and decisions across
-replicas), resume.py (`fit(ckpt_path=...)`), replica_end.py (exceptions, a halt, closing in
-order), self_launch.py (`python train.py` without a launcher). Every Lightning private is
-reached through lightning_compat.py.
+(Lightning's `ModelParallelStrategy`, gloo on CPU). Across replicas the framework-free `Replica`
+(replica/replica.py) runs each optimizer step with its caller: `LightningStep` (stepping.py, the
+step in progress as one typed object) answers what the replica asks (compute, recompute, extra
+micro-batches, clip, the books of a commit) and reads its `StepResult`. This class adapts
+Lightning's hooks and holds the Lightning-side parts the step uses (the exactly-once loader, the
+committed schedulers, checkpoints, the run log, the cross-replica reducer); the other modules
+build or serve them: replica_start.py (config, a finished job's late replica, sharding, the
+replica), loaders.py (the exactly-once train loader, sharded evaluation), evaluation.py (metrics
+and decisions across replicas), resume.py (`fit(ckpt_path=...)`), replica_end.py (exceptions, a
+halt, closing in order, the one exit), self_launch.py (`python train.py` without a launcher).
+Every Lightning private, run-time class swaps included, is reached through lightning_compat.py.
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from typing_extensions import override
 
 from lightning_ft.config import FTConfig
 from lightning_ft.replica import startup
-from lightning_ft.replica.plan import StepResult
-from lightning_ft.strategy import evaluation, loaders, replica_end, replica_start, stepping
+from lightning_ft.strategy import evaluation, loaders, replica_end, replica_start
 from lightning_ft.strategy.environment import launched_replica
 from lightning_ft.strategy.errors import FTHSDPError
 from lightning_ft.strategy.runlog import StepLog, metrics, write_final
@@ -33,6 +33,11 @@ from lightning_ft.strategy.schedulers import CommittedSchedulers
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
+    from lightning_ft.replica.replica import Replica
+    from lightning_ft.strategy.checkpoints import ReplicaCheckpoints
+    from lightning_ft.strategy.evaluation import CrossReplicaReducer
+    from lightning_ft.strategy.manual_clip import DeferredClip
+    from lightning_ft.strategy.stepping import LightningStep
     from lightning_ft.strategy.streaming import StreamLoader
 
 
@@ -66,60 +71,58 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
         if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
             raise FTHSDPError(f"FTHSDPStrategy(replicas={replicas!r}): R must be an integer >= 1")
-        self._renv: Any = launched_replica()  # fail at Trainer(...) with how to launch, not deep inside fit()
+        self.renv: Any = launched_replica()  # fail at Trainer(...) with how to launch, not deep inside fit()
         super().__init__(**kwargs)
-        if self._renv is not None:
-            self.cluster_environment = ReplicaEnvironment(self._renv)
-        self._secret = ""
+        if self.renv is not None:
+            self.cluster_environment = ReplicaEnvironment(self.renv)
+        self.secret = ""
         self._config_path = config
         self._overrides = list(overrides)
         if replicas is not None:
             self._overrides.append(f"replicas={replicas}")  # last: it wins over the config, here and in replicas
         self.shard_layers = list(shard_layers) if shard_layers is not None else None
         self.lr_intervention = lr_intervention
-        self._data_seed = data_seed
+        self.data_seed = data_seed
         self.overlap = overlap
         self.cfg: Optional[FTConfig] = None
-        self.mgr: Any = None
-        self.last: Optional[StepResult] = None
-        """What the replica layer's last `prepare`/`run_step` did: the glue reads nothing else."""
+        self.replica: Optional[Replica] = None
+        """This rank's replica (replica/replica.py), once `setup` started it."""
+        self.stepper: Optional[LightningStep] = None
+        """The optimizer step in progress and its talk with the replica (stepping.py)."""
         self.sampler: Optional[Union[FTBatchSampler, StreamLoader]] = None
-        self._pending: Any = None  # the overlapped round's quorum (begin_step)
-        self._window: list[tuple[tuple[int, int], Any, int]] = []  # the accumulation window's batches
-        self._batch: Optional[list] = None  # several optimizers: [the batch's window, still ours to step]
-        self._position: Optional[tuple[int, int]] = None
-        self._schedulers: Optional[CommittedSchedulers] = None
+        """The exactly-once train loader (loaders.py)."""
+        self.schedulers: Optional[CommittedSchedulers] = None
+        """LR schedulers stepped by committed steps (schedulers.py)."""
+        self.ckpt: Optional[ReplicaCheckpoints] = None
+        """Persistent checkpoints every `checkpoint.every_n_steps` (checkpoints.py)."""
+        self.steplog: Optional[StepLog] = None
+        self.reducer: Optional[CrossReplicaReducer] = None
+        """Evaluation metrics and decisions across the live replicas (evaluation.py)."""
+        self.manual_clip: Optional[DeferredClip] = None
+        """Manual optimization: `clip_gradients` on the averaged gradients (manual_clip.py)."""
+        self.train_data: Any = None
+        """(dataset, collate_fn): batch_policy "constant" and shrink build other slots' batches."""
+        self.resume_point: Any = None
+        """fit(ckpt_path=...): where the checkpoint puts the job (resume.py), begun at train start."""
         self._ft_devices: Optional[list[torch.device]] = None
-        self.committed_in_call = self.recomputes = 0
-        self._job_done = self._fit_started = self.stop_agreed = False
-        self._steplog: Optional[StepLog] = None
-        self._phase: dict[str, float] = {}
-        self._ckpt: Any = None
-        self._reducer: Any = None
-        self._train_data: Any = None  # (dataset, collate_fn): batch_policy "constant" builds absent slots' batches
-        self._extra_losses: list[float] = []
-        self._own_done: set[int] = set()  # micro-batches of our slot batch whose gradients we hold
-        self._skip: set[int] = set()  # micro-batches of our slot batch we give away (a shrunk straggler)
-        self._skipped = self._direct = False  # a given-away micro-batch's backward; a call outside the loop
-        self._resume_point: Any = None  # fit(ckpt_path=...): where the checkpoint puts the job (resume.py)
-        self._manual_clip: Any = None  # manual optimization: clip_gradients on the averaged gradients
+        self.job_done = self.fit_started = False
 
     # -- environment: one Lightning world per replica ---------------------------------------------------
     @property
     def rid(self) -> int:
         """This replica's id (a warm spare's: -1 until promoted in `setup`; coord/standby.py)."""
-        return self.mgr.rid if self.mgr is not None else self._renv.replica_id
+        return self.replica.rid if self.replica is not None else self.renv.replica_id
 
     @property
     def num_replicas(self) -> int:
-        return self._renv.num_replicas
+        return self.renv.num_replicas
 
     @property
     def incarnation(self) -> int:
-        return self.mgr.incarnation if self.mgr is not None else self._renv.incarnation
+        return self.replica.incarnation if self.replica is not None else self.renv.incarnation
 
     @property
-    def _module(self) -> LightningModule:
+    def module(self) -> LightningModule:
         """The LightningModule (Lightning attaches it before any hook that reads it)."""
         module = self.lightning_module
         if module is None:
@@ -132,11 +135,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
-        if self._renv is None:  # self-launch: W comes from Trainer(devices=...)
+        if self.renv is None:  # self-launch: W comes from Trainer(devices=...)
             self._ft_devices = list(devices) if devices else None
             return
         # The replica's size comes from the launcher (WORLD_SIZE), not from Trainer(devices=...).
-        world = self._renv.world_size
+        world = self.renv.world_size
         if devices and devices[0].type == "cuda":
             self._ft_devices = [torch.device("cuda", i % max(1, torch.cuda.device_count())) for i in range(world)]
         else:
@@ -145,11 +148,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @property
     def self_launching(self) -> bool:
         """No launcher started this process: the first Trainer entry point launches the job."""
-        return self._renv is None
+        return self.renv is None
 
     @override
     def _configure_launcher(self) -> None:
-        if self._renv is None:
+        if self.renv is None:
             from lightning_ft.strategy.self_launch import launcher_for
 
             self._launcher = launcher_for(self)
@@ -185,19 +188,19 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def batch_position(self) -> Optional[tuple[int, int]]:
         """(slot batch k, micro-batch j) of the batch in training: which part of this replica's
         exactly-once stream it is (None before the first batch)."""
-        return self._position
+        return self.stepper.st.position if self.stepper is not None else None
 
     # -- evaluation and decisions across replicas --------------------------------------------------------
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self.mgr is not None:
+        if self.replica is not None:
             evaluation.begin_validation(self)
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        if self.mgr is not None:
+        if self.replica is not None:
             evaluation.end_validation(self)
 
     @override
@@ -205,8 +208,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """Within the replica as ModelParallelStrategy does; during evaluation (logged metrics with
         `sync_dist=True`), also across the live replicas, so that every replica logs the same value."""
         out = super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if self.mgr is not None and self._reducer.active and isinstance(out, torch.Tensor):
-            out = self._reducer.reduce(out, evaluation.op_name(reduce_op))
+        if self.reducer is not None and self.reducer.active and isinstance(out, torch.Tensor):
+            out = self.reducer.reduce(out, evaluation.op_name(reduce_op))
         return out
 
     @override
@@ -214,57 +217,69 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """Over every rank of every live replica: EarlyStopping, ModelCheckpoint and friends
         decide the same on every replica at the same step."""
         ask = lambda: super(FTHSDPStrategy, self).reduce_boolean_decision(decision, all=all)  # noqa: E731
-        return ask() if self.mgr is None else evaluation.decide(self._reducer, ask)
+        return ask() if self.reducer is None else evaluation.decide(self.reducer, ask)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.mgr is not None:
-            stepping.batch_start(self, batch, batch_idx)
+        if self.stepper is not None:
+            self.stepper.batch_start(batch, batch_idx)
 
     # -- the step -----------------------------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.mgr is not None:
-            stepping.on_train_start(self)
+        if self.stepper is not None:
+            self.stepper.on_train_start()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         step = lambda: super(FTHSDPStrategy, self).training_step(*args, **kwargs)  # noqa: E731
-        return stepping.training_step(self, step)
+        return step() if self.stepper is None else self.stepper.training_step(step)
 
     @override
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._skipped:  # a micro-batch this replica gives away (stragglers policy "shrink")
-            self._skipped = False
+        if self.stepper is not None and self.stepper.skip_backward():  # a micro-batch we give away ("shrink")
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.mgr is None:
+        if self.stepper is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return stepping.optimizer_step(self, optimizer, closure)
+        return self.stepper.optimizer_step(optimizer, closure)
+
+    def stop_decision(self, trainer: Any) -> Optional[bool]:
+        """`trainer.should_stop` under ft_hsdp: True once the job agreed to stop at a step this
+        replica committed, on every replica at the same step (None before the replica exists)."""
+        return self.stepper.stop_agreed if self.stepper is not None else None
+
+    def ask_stop(self) -> None:
+        """A replica that sets `trainer.should_stop` (user code, a callback, EarlyStopping) asks the
+        job to stop: `stop` in its next report, until a round carries it."""
+        if self.replica is not None and self.stepper is not None and not self.stepper.stop_agreed:
+            self.replica.request_stop = True
 
     def metrics(self) -> dict[str, float]:
-        return metrics(self.mgr, self.num_replicas)
+        return metrics(self.replica, self.num_replicas)
 
     # -- side effects: one writer, clear failures, clean exit ------------------------------------------
     @property
     def is_checkpoint_writer(self) -> bool:
         """The lowest-id contributor of the last round writes (and prunes) checkpoints."""
-        if self.last is None:
-            return self.mgr is None or self.rid == 0
-        return self.last.writer
+        last = self.stepper.last if self.stepper is not None else None
+        if last is None:
+            return self.replica is None or self.rid == 0
+        return last.writer
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         if self.is_checkpoint_writer:
-            if self.last is not None and self.last.role and self.global_rank == 0:
+            last = self.stepper.last if self.stepper is not None else None
+            if self.replica is not None and last is not None and last.role and self.global_rank == 0:
                 from lightning_ft.strategy.resume import KEY, describe
 
-                checkpoint[KEY] = describe(self.mgr)  # the job's data position, for fit(ckpt_path=...)
+                checkpoint[KEY] = describe(self.replica)  # the job's data position, for fit(ckpt_path=...)
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -288,9 +303,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self.mgr is not None and not self._job_done:
-            self.mgr.mark_finished()
-            write_final(self.mgr, self._module, self.mgr.optimizer, self.global_rank, self.recomputes)
+        if self.replica is not None and self.stepper is not None and not self.job_done:
+            self.replica.mark_finished()
+            write_final(self.replica, self.module, self.replica.optimizer, self.global_rank, self.stepper.recomputes)
 
     @override
     def teardown(self) -> None:

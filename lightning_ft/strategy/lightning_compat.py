@@ -8,7 +8,7 @@ progress trackers.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning.fabric.strategies.model_parallel import (_METADATA_FILENAME, _distributed_checkpoint_load,
                                                         _is_full_checkpoint, _is_sharded_checkpoint)
@@ -38,6 +38,8 @@ PRIVATES: dict[str, str] = {
     "Trainer._logger_connector.should_update_logs": "FT metrics only when loggers write",
     "lightning.fabric.strategies.model_parallel checkpoint helpers": "fit(ckpt_path=...) with W = 1",
     "_optimizers_to_device, _materialize_distributed_module": "ModelParallelStrategy.setup without its demands",
+    "Trainer.should_stop (a property on a per-trainer subclass)": "the job's stop decision on every replica",
+    "LRScheduler.step (a per-scheduler subclass)": "schedulers stepped by committed steps",
     "checkpoint['loops']['fit_loop']['epoch_loop.batch_progress']": "a foreign checkpoint's batch count",
     "strategies.launchers.launcher._Launcher": "self-launch (python train.py)",
 }
@@ -157,3 +159,25 @@ def missing(trainer: Any) -> list[str]:
                 break
             cur = getattr(cur, part)
     return out
+
+
+def route_should_stop(trainer: Any, decided: Callable[[Any], Optional[bool]], ask: Callable[[], None]) -> None:
+    """Make `trainer.should_stop` a job decision (a run-time class swap: the attribute becomes a
+    property on a per-trainer subclass; Lightning itself is unchanged). Reading it gives
+    `decided(trainer)` (None: the trainer's own value, before the replica exists); setting it
+    True calls `ask()` as well (the replica asks the job to stop in its next report)."""
+    cls = type(trainer)
+    if getattr(cls, "_ft_routes_should_stop", False):
+        return
+
+    def get(tr: Any) -> bool:
+        got = decided(tr)
+        return bool(tr.__dict__.get("_ft_should_stop", False)) if got is None else got
+
+    def put(tr: Any, value: bool) -> None:
+        tr.__dict__["_ft_should_stop"] = bool(value)
+        if value:
+            ask()
+
+    trainer.__class__ = type(cls.__name__, (cls,), {"should_stop": property(get, put), "_ft_routes_should_stop": True,
+                                                    "__module__": cls.__module__})

@@ -1,6 +1,8 @@
 """How a replica ends under `FTHSDPStrategy`: an exception is explained in one line with what
 happens next (a finished job's late replica leaves with 0; a halt keeps only verified
-checkpoints and exits with ExitCode.HALTED), and the replica layer closes in order."""
+checkpoints and exits with ExitCode.HALTED), and the replica layer closes in order. `leave` is
+the strategy's one early exit: a process that must not run Lightning's remaining hooks (a late
+replica of a finished job, an unneeded spare, a halt) says why, closes and exits."""
 from __future__ import annotations
 
 import os
@@ -18,13 +20,10 @@ def on_exception(s: FTHSDPStrategy, exception: BaseException) -> None:
     from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, JobFinished, JobHalted, QuorumTimeout
     from lightning_ft.coord.store import StoreError
     from lightning_ft.ftar.transport.base import FatalError
-    from lightning_ft.replica.manager import ReplicaStateLost, StaleManualStep
+    from lightning_ft.replica.plan import ReplicaStateLost, StaleManualStep
 
     if isinstance(exception, JobFinished):  # a late replica: leave before any user hook runs
-        print(f"lightning-ft: replica {s.rid}: {exception}", file=sys.stderr, flush=True)
-        close(s)
-        sys.stdout.flush()
-        os._exit(0)
+        leave(s, 0, f"replica {s.rid}: {exception}")
     hint = {
         JobHalted: "the job stopped: every replica exits; the launcher does not restart them",
         Evicted: "this replica was evicted (declared failed by the others); the launcher restarts it",
@@ -42,27 +41,37 @@ def on_exception(s: FTHSDPStrategy, exception: BaseException) -> None:
                   f"{type(exception).__name__}: {exception}" + (f"\n  -> {text}" if text else ""),
                   file=sys.stderr, flush=True)
             break
-    if isinstance(exception, JobHalted) and s.mgr is not None:
-        if s._ckpt is not None:  # a checkpoint still being written must not outlive the verdict
-            s._ckpt.close()
-        s.mgr.on_halt()
-        close(s)
-        sys.stderr.flush()
-        os._exit(ExitCode.HALTED)
+    if isinstance(exception, JobHalted) and s.replica is not None:
+        if s.ckpt is not None:  # a checkpoint still being written must not outlive the verdict
+            s.ckpt.close()
+        s.replica.on_halt()
+        leave(s, ExitCode.HALTED)
     close(s)
+
+
+def leave(s: FTHSDPStrategy, code: int, why: str = "") -> None:
+    """Exit this process now, with `code`, after saying `why` (rank 0) and closing the replica
+    layer in order: Lightning's remaining hooks must not run (no `on_train_end` of a replica
+    that never trained, no checkpoint of a halted job)."""
+    if why and s.global_rank == 0:
+        print(f"lightning-ft: {why}", file=sys.stderr, flush=True)
+    close(s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def close(s: FTHSDPStrategy) -> None:
     if s.sampler is not None and hasattr(s.sampler, "close"):
         s.sampler.close()  # the last loader states reach their files
-    if s._ckpt is not None:
-        s._ckpt.close()
-        s._ckpt = None
-    if s._steplog is not None:
-        s._steplog.close()
-        s._steplog = None
-    if s.mgr is not None:
+    if s.ckpt is not None:
+        s.ckpt.close()
+        s.ckpt = None
+    if s.steplog is not None:
+        s.steplog.close()
+        s.steplog = None
+    if s.replica is not None:
         try:
-            s.mgr.close()
+            s.replica.close()
         finally:
-            s.mgr = None
+            s.replica = None

@@ -2,16 +2,15 @@
 `load_config` and `install` around Lightning's `setup_environment`; a process that finds its job
 already finished leaves before any user hook (`exit_if_finished`, from `install`), and
 `setup_model` shards the model, then `start_replica` (once the optimizers exist)
-builds the replica layer: the ReplicaManager from the job config, its hooks into Lightning
-(committed schedulers, the loss scaler, clipping of a catch-up's gradients, callbacks' state),
+builds the replica layer: the Replica from the job config and the strategy's parts around it
+(committed schedulers, the loss scaler, callbacks' state, the step glue `LightningStep`),
 a `--resume` checkpoint, the cross-replica evaluation, persistent checkpoints and the run log.
-A warm spare waits inside `mgr.start()` until it is promoted.
+A warm spare waits inside `Replica.start()` until it is promoted.
 
 This module, not the strategy, talks to etcd at start-up; the strategy adapts Lightning's hooks.
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_ft.strategy import lightning_compat, stepping
+from lightning_ft.strategy import lightning_compat, replica_end
 from lightning_ft.strategy.errors import FTHSDPError
 from lightning_ft.strategy.runlog import StepLog
 from lightning_ft.strategy.schedulers import CommittedSchedulers
@@ -35,13 +34,13 @@ def load_config(s: FTHSDPStrategy) -> None:
 
     s.cfg = s.load_ft_config()
     try:
-        s._secret = resolve(s.cfg.secret)
+        s.secret = resolve(s.cfg.secret)
     except SecretError as e:
         raise FTHSDPError(f"strategy='ft_hsdp', replica {s.rid}: {e}") from None
-    if s._renv.launcher == "torchrun" and not dist.is_initialized():
+    if s.renv.launcher == "torchrun" and not dist.is_initialized():
         from lightning_ft.launch.environment import init_torchrun_group
 
-        init_torchrun_group(s._renv, s._get_process_group_backend(),
+        init_torchrun_group(s.renv, s._get_process_group_backend(),
                             s._timeout.total_seconds() if s._timeout else 1800.0)
 
 
@@ -54,17 +53,17 @@ def install(s: FTHSDPStrategy) -> None:
     from lightning_ft.callbacks.failure import FailureInjector
     from lightning_ft.strategy.runlog import FTMetrics
 
-    trainer: Any = s._module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
-    if trainer.state.fn == TrainerFn.FITTING and not s._fit_started:
-        s._fit_started = True
+    trainer: Any = s.module.trainer  # Any: Lightning's Trainer gets .callbacks undeclared (CallbackConnector)
+    if trainer.state.fn == TrainerFn.FITTING and not s.fit_started:
+        s.fit_started = True
         exit_if_finished(s)
-    if not s._renv.standby:  # a spare names them once promoted (`setup`)
+    if not s.renv.standby:  # a spare names them once promoted (`setup`)
         lightning_compat.name_unversioned_loggers(trainer, f"replica_{s.rid}")
-    lightning_compat.save_cli_config_once(trainer, writer=s.rid == 0 and not s._renv.standby,
+    lightning_compat.save_cli_config_once(trainer, writer=s.rid == 0 and not s.renv.standby,
                                           overwrite=s.incarnation > 0 or bool(os.environ.get("LFT_RESUME")))
     if not any(isinstance(cb, FTMetrics) for cb in trainer.callbacks):
         trainer.callbacks.append(FTMetrics(s))
-    stepping.route_should_stop(s, trainer)
+    lightning_compat.route_should_stop(trainer, s.stop_decision, s.ask_stop)
     assert s.cfg is not None  # load_config
     failures = s.cfg.failure
     scheduled = failures.events or failures.mtbf_steps > 0 or failures.signal_exception
@@ -82,7 +81,7 @@ def setup_model(s: FTHSDPStrategy, trainer: Any) -> None:
     assert s.accelerator is not None
     s.accelerator.setup(trainer)
     try:
-        auto_shard(s._module, s.device_mesh["data_parallel"] if s.world_size > 1 else None,
+        auto_shard(s.module, s.device_mesh["data_parallel"] if s.world_size > 1 else None,
                    s.world_size, s.shard_layers)
     except ShardingError as e:
         raise FTHSDPError(str(e)) from None
@@ -97,52 +96,49 @@ def setup_model(s: FTHSDPStrategy, trainer: Any) -> None:
     s.setup_precision_plugin()
     if fitting:
         lightning_compat.optimizers_to_device(s.optimizers, s.root_device)
-        if s.mgr is None:
+        if s.replica is None:
             start_replica(s, trainer)
 
 
 def exit_if_finished(s: FTHSDPStrategy) -> None:
     """A replica (re)started after the job finished leaves before any user hook runs (no
     `setup`, no `on_train_end` on untrained weights)."""
-    from lightning_ft.replica.ending import finished_record
+    from lightning_ft.replica.catchup.ending import finished_record
 
     done = None
     if s.global_rank == 0:
         assert s.cfg is not None  # setup_environment loaded it
-        env = s._renv
-        done = finished_record(s.cfg.etcd, env.job, env.etcd, s._secret, env.run_id)
+        env = s.renv
+        done = finished_record(s.cfg.etcd, env.job, env.etcd, s.secret, env.run_id)
     if s.world_size > 1:
         box = [done]
         dist.broadcast_object_list(box, src=0)
         done = box[0]
     if done is not None:
-        if s.global_rank == 0:
-            print(f"lightning-ft: replica {s.rid}: the job already finished ({done}); nothing to train",
-                  file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(0)
+        replica_end.leave(s, 0, f"replica {s.rid}: the job already finished ({done}); nothing to train")
 
 
 def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
     """Build and start the replica layer of strategy `s` (every rank; see the module docstring)."""
     from lightning_ft.config import checkpoint_dir
     from lightning_ft.replica.group import ReplicaGroup
-    from lightning_ft.replica.manager import ReplicaManager
+    from lightning_ft.replica.replica import Replica
     from lightning_ft.replica.settings import Identity, Settings
+    from lightning_ft.strategy.stepping import LightningStep
 
-    if len(s.optimizers) != 1 and (s._module.automatic_optimization or not s.optimizers):
+    if len(s.optimizers) != 1 and (s.module.automatic_optimization or not s.optimizers):
         raise FTHSDPError(f"ft_hsdp steps one optimizer per batch under automatic optimization (several need "
                           f"manual optimization, as under DDP); configure_optimizers returned "
                           f"{len(s.optimizers)}")
     cfg = s.cfg
     assert cfg is not None  # setup_environment loaded it
-    if cfg.batch_policy == "constant" and not s._module.automatic_optimization:
+    if cfg.batch_policy == "constant" and not s.module.automatic_optimization:
         raise FTHSDPError("batch_policy=constant trains absent replicas' batches with the LightningModule's "
                           "training_step, which needs automatic optimization; use batch_policy=shrink with "
                           "manual optimization")
     if s.lr_intervention is not None:  # LRIntervention(mode) sets it after setup_environment
         cfg.lr_intervention = s.lr_intervention
-    s._schedulers = CommittedSchedulers(s.lr_scheduler_configs, manual=not s._module.automatic_optimization)
+    s.schedulers = CommittedSchedulers(s.lr_scheduler_configs, manual=not s.module.automatic_optimization)
     world = s.world_size
     # The manager's own group: its quorum broadcast runs in a background thread while FSDP2's
     # collectives run on the default group.
@@ -150,59 +146,56 @@ def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
     from lightning_ft.replica.optimizers import OptimizerError
 
     try:  # several (manual optimization): every optimizer.step() is a round (quorum rule 15)
-        env = s._renv
-        who = Identity(env.job, s.rid, s.incarnation, s.num_replicas, s._secret, env.etcd, run_id=env.run_id,
+        env = s.renv
+        who = Identity(env.job, s.rid, s.incarnation, s.num_replicas, s.secret, env.etcd, run_id=env.run_id,
                        standby=env.standby)
-        s.mgr = ReplicaManager(
-            # the annotation says one Optimizer; the manager takes the list (replica/optimizers.py)
-            s._module, list(s.optimizers), who, Settings.from_config(cfg),
-            group=ReplicaGroup(s.global_rank, world, pg), scheduler=s._schedulers, run_dir=env.run_dir)
+        replica = Replica(
+            # the annotation says one Optimizer; the replica takes the list (replica/optimizers.py)
+            s.module, list(s.optimizers), who, Settings.from_config(cfg),
+            group=ReplicaGroup(s.global_rank, world, pg), scheduler=s.schedulers, run_dir=env.run_dir)
     except OptimizerError as e:
         raise FTHSDPError(f"ft_hsdp: {e}") from None
-    s.mgr.on_commit = functools.partial(stepping.on_commit, s)
-    s.mgr.set_scaler(getattr(s.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
-    s.mgr.clip_catchup = functools.partial(stepping.clip_catchup, s)
+    s.replica = replica
+    replica.set_scaler(getattr(s.precision_plugin, "scaler", None))  # 16-mixed: replica/scaler.py
     from lightning_ft.strategy.callback_state import CallbackState
 
     extras: dict[str, Any] = {}
-    if not s._module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
+    if not s.module.automatic_optimization:  # self.clip_gradients: on the averaged gradients
         from lightning_ft.strategy.manual_clip import DeferredClip
 
-        s._manual_clip = DeferredClip(s.precision_plugin, lambda: s.optimizers)
-        extras["clip"] = s._manual_clip
+        s.manual_clip = DeferredClip(s.precision_plugin, lambda: s.optimizers)
+        extras["clip"] = s.manual_clip
         if world > 1:
             from lightning_ft.strategy.sharding import reshard_on_toggle
 
             reshard_on_toggle(s.lightning_module)
-    s.mgr.callbacks = CallbackState(lambda: getattr(s.lightning_module, "_trainer", None), extras)
+    replica.callbacks = CallbackState(lambda: getattr(s.lightning_module, "_trainer", None), extras)
     resume = os.environ.get("LFT_RESUME")
     if resume:
         t0 = time.perf_counter()
-        s.mgr.load_checkpoint(resume)
+        replica.load_checkpoint(resume)
         if s.global_rank == 0:
-            print(f"lightning-ft: replica {s.rid} resumed from {resume} (step {s.mgr.step}) in "
+            print(f"lightning-ft: replica {s.rid} resumed from {resume} (step {replica.step}) in "
                   f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
     from lightning_ft.coord.coordinator import JobFinished
     from lightning_ft.strategy.evaluation import CrossReplicaReducer
 
     # half the hang guard: a value that never comes must not make this replica look hung
-    s._reducer = CrossReplicaReducer(s.mgr, timeout_s=cfg.etcd.hang_timeout_s / 2)
+    s.reducer = CrossReplicaReducer(replica, timeout_s=cfg.etcd.hang_timeout_s / 2)
     try:
-        s.mgr.start()  # a warm spare waits here until promoted: the replica id is known after
+        replica.start()  # a warm spare waits here until promoted: the replica id is known after
     except JobFinished:
-        if not s._renv.standby:
+        if not s.renv.standby:
             raise
-        if s.global_rank == 0:
-            print("lightning-ft: the job finished; this warm spare was not needed", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(0)
-    if s._renv.standby:
+        replica_end.leave(s, 0, "the job finished; this warm spare was not needed")
+    s.stepper = LightningStep(s, replica)
+    if s.renv.standby:
         lightning_compat.name_unversioned_loggers(trainer, f"replica_{s.rid}")
     if cfg.checkpoint.every_n_steps > 0:
         from lightning_ft.strategy.checkpoints import ReplicaCheckpoints
 
-        s._ckpt = ReplicaCheckpoints(s.mgr, checkpoint_dir(cfg), cfg.checkpoint.keep,
+        s.ckpt = ReplicaCheckpoints(s.replica, checkpoint_dir(cfg), cfg.checkpoint.keep,
                                      cfg.checkpoint.every_n_steps, s.global_rank, world, s.rid)
-    s._steplog = StepLog(s.rid, s.incarnation)
+    s.steplog = StepLog(s.rid, s.incarnation)
     if s.overlap:
-        s.mgr.enable_overlap(cfg.ftar.bucket_bytes)
+        s.replica.enable_overlap(cfg.ftar.bucket_bytes)

@@ -26,12 +26,15 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from lightning_ft.coord import keys
 from lightning_ft.replica import ledger
+
+if TYPE_CHECKING:
+    from lightning_ft.replica.replica import Replica
 
 KEY = "lightning_ft"
 """The checkpoint entry ft_hsdp adds: {"step", "replicas", "gen", "batches", "cursors": {slot: cursor}}."""
@@ -53,9 +56,10 @@ class ResumePoint:
     entry says it, a foreign checkpoint's loop state counts it; -1: unknown (= step)."""
 
 
-def job_cursors(mgr: Any) -> dict[int, int]:
+def job_cursors(mgr: Replica) -> dict[int, int]:
     """Leader, right after a commit: every slot's cursor (contributors' from the round, the
     others' from the ledger, flushed first)."""
+    assert mgr.last_plan is not None  # right after a commit
     q = mgr.last_plan.quorum
     mgr.flush_ledger()
     done = 0 if q.cont else 1  # a round continuing a batch advanced no cursor (quorum rule 15)
@@ -63,7 +67,7 @@ def job_cursors(mgr: Any) -> dict[int, int]:
             else ledger.read_cursor(mgr.store, mgr.root, slot, mgr.gen) for slot in range(mgr.R)}
 
 
-def describe(mgr: Any) -> dict:
+def describe(mgr: Replica) -> dict:
     """What ft_hsdp adds to a Lightning checkpoint (written by the writer's rank 0)."""
     return {"step": mgr.step, "replicas": mgr.R, "gen": mgr.gen, "batches": mgr.batches,
             "cursors": {str(k): v for k, v in job_cursors(mgr).items()}}
@@ -132,7 +136,7 @@ def load(strategy: Any, path: Any, weights_only: Optional[bool], sharded_load: C
     raise ResumeError(f"ckpt_path {str(path)!r} is neither a checkpoint file nor a distributed checkpoint directory")
 
 
-def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool:
+def begin(mgr: Replica, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool:
     """Before the first round (every rank): start generation 0 at the checkpoint's step unless the
     job's history has begun. Returns whether this replica starts at the checkpoint's step."""
     decision: Any = None
@@ -160,8 +164,7 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
     if decision != "ok":
         raise ResumeError(f"replica {mgr.rid}: this job already started from another checkpoint position "
                           f"({decision}); every replica must resume from the same ckpt_path")
-    mgr.step, mgr.batches = point.step, batches
-    mgr.cursor = point.cursors.get(mgr.rid, batches)
+    mgr.continue_at(point.step, batches, point.cursors.get(mgr.rid, batches))
     if mgr.is_leader:
         print(f"lightning-ft: replica {mgr.rid} resumes at step {point.step} ({point.source} checkpoint; slot "
               f"cursor {mgr.cursor})", file=sys.stderr, flush=True)
@@ -170,15 +173,15 @@ def begin(mgr: Any, point: ResumePoint, broadcast: Callable[[Any], Any]) -> bool
 
 def load_into(s: Any, path: Any, weights_only: Optional[bool], sharded_load: Callable[[], dict]) -> dict:
     """`load_checkpoint` of strategy `s`: the checkpoint into the replica (`load`); under fit, the
-    job then continues at its step (`s._resume_point`, begun in `on_train_start`)."""
+    job then continues at its step (`s.resume_point`, begun in `on_train_start`)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
     from lightning_ft.strategy.errors import FTHSDPError
 
     try:
         checkpoint = load(s, path, weights_only, sharded_load)
-        if s.mgr is not None and s._module.trainer.state.fn == TrainerFn.FITTING:
-            s._resume_point = point_of(checkpoint, s.num_replicas, str(path))
+        if s.replica is not None and s.module.trainer.state.fn == TrainerFn.FITTING:
+            s.resume_point = point_of(checkpoint, s.num_replicas, str(path))
     except ResumeError as e:
         raise FTHSDPError(str(e)) from None
     return checkpoint

@@ -67,7 +67,7 @@ def metrics(mgr: Any, num_replicas: int) -> dict[str, float]:
     if plan is None:
         return {}
     st = mgr.stats
-    gb = mgr.buckets.nbytes / 1e9 if mgr.started else 0.0
+    gb = mgr.exchange.buckets.nbytes / 1e9 if mgr.started else 0.0
     return {"ft/healthy": float(len(plan.quorum.contributors)), "ft/total": float(num_replicas),
             "ft/epoch": float(plan.quorum.epoch), "ft/lr_factor": plan.lr_factor,
             "ft/ftar_gbps": gb / st.exchange_s if st.exchange_s > 0 else 0.0,
@@ -86,6 +86,6 @@ class FTMetrics(Callback):
 
         if not should_update_logs(trainer):
             return  # logging every step costs milliseconds; loggers only write every n steps
-        m: Optional[dict] = metrics(self.strategy.mgr, self.strategy.num_replicas)
+        m: Optional[dict] = metrics(self.strategy.replica, self.strategy.num_replicas)
         if m:
             pl_module.log_dict(m, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import default_collate
 
 from lightning_ft.replica.ledger import SlotStream
-from lightning_ft.replica.manager import lr_factor
+from lightning_ft.replica.plan import lr_factor
 
 
 @dataclass

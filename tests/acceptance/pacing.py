@@ -15,6 +15,6 @@ class Slow(L.Callback):
         self.seconds, self.degraded = seconds, degraded
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        plan = getattr(getattr(trainer.strategy, "mgr", None), "last_plan", None)
+        plan = getattr(getattr(trainer.strategy, "replica", None), "last_plan", None)
         away = plan is not None and len(plan.quorum.members) < int(os.environ.get("LFT_NUM_REPLICAS", "1"))
         time.sleep(self.degraded if away else self.seconds)

@@ -43,10 +43,10 @@ def test_python_target(cmd, want):
     ("    import lightning.pytorch as pl\n", ["lightning.pytorch"]),
     ("import lightning_ft  # registers ft_hsdp\nimport torch\n", []),  # not Lightning
     ("# uses lightning one day\nx = 'import lightning'\n", []),
-    ("import lightning_ft\nfrom lightning_ft.replica.manager import ReplicaManager\n",
-     ["lightning_ft.replica.manager"]),
+    ("import lightning_ft\nfrom lightning_ft.replica.replica import Replica\n",
+     ["lightning_ft.replica.replica"]),
     ("import lightning\nfrom lightning_ft.replica.ledger import SlotStream\n",
-     ["lightning.pytorch", "lightning_ft.replica.manager"]),
+     ["lightning.pytorch", "lightning_ft.replica.replica"]),
 ])
 def test_default_preload_follows_what_the_script_imports(tmp_path, src, more):
     script = tmp_path / "train.py"

@@ -13,7 +13,7 @@ from lightning_ft.coord import keys
 from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica.batch_policy import round_batches
 from lightning_ft.replica.ledger import read_cursors, record_commit, verify_ledger
-from lightning_ft.replica.manager import lr_factor
+from lightning_ft.replica.plan import lr_factor
 
 CASES = [
     # policy, contributors, own cursors, R, slot cursors -> batches, extra, divisor

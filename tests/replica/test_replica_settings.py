@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_ft.config import load_config
-from lightning_ft.replica.manager import ReplicaManager
+from lightning_ft.replica.replica import Replica
 from lightning_ft.replica.settings import Identity, Settings
 
 
@@ -34,10 +34,10 @@ def test_a_mode_that_does_not_exist_is_refused(field, value):
         Settings(**{field: value})
 
 
-def test_the_manager_reads_its_identity_and_settings():
+def test_the_replica_reads_its_identity_and_settings():
     model = torch.nn.Linear(3, 2)
-    m = ReplicaManager(model, torch.optim.SGD(model.parameters(), lr=0.1), Identity("j", 2, 1, 4, "s" * 16),
-                       Settings(min_replicas=2, lr_intervention="none"))
+    m = Replica(model, torch.optim.SGD(model.parameters(), lr=0.1), Identity("j", 2, 1, 4, "s" * 16),
+                Settings(min_replicas=2, lr_intervention="none"))
     assert (m.job, m.rid, m.incarnation, m.R, m.rank, m.world) == ("j", 2, 1, 4, 0, 1)
     assert m.spec.min_replicas == 2 and m.spec.fingerprint["lr_intervention"] == "none"
     assert not m.started

@@ -46,7 +46,7 @@ import lightning.pytorch as L
 
 def pace(a: argparse.Namespace, trainer) -> None:
     """The test harness's pacing (`--step-sleep`, `--degraded-sleep`); stream_app.py uses it too."""
-    mgr = getattr(trainer.strategy, "mgr", None)
+    mgr = getattr(trainer.strategy, "replica", None)
     if a.step_sleep:  # --slow-replica: that replica's "accelerator" is --slow-factor times slower
         slow = getattr(a, "slow_factor", 1.0) if getattr(a, "slow_replica", -9) == getattr(mgr, "rid", -2) else 1.0
         time.sleep(a.step_sleep * slow)
@@ -116,7 +116,7 @@ class MLP(L.LightningModule):
                            psum=float(p.detach().double().sum()), finite=all(
                                bool(torch.isfinite(q.to_local() if hasattr(q, "to_local") else q).all())
                                for q in self.parameters()))
-            mgr = getattr(self.trainer.strategy, "mgr", None)
+            mgr = getattr(self.trainer.strategy, "replica", None)
             if mgr is not None and mgr.last_plan is not None:
                 row.update(contributors=list(mgr.last_plan.quorum.contributors), lr_factor=mgr.last_plan.lr_factor,
                            batch=mgr.last_plan.batch_index, lagging=mgr.last_plan.lagging)
@@ -133,17 +133,19 @@ class MLP(L.LightningModule):
 
         self.trainer.optimizers[0].register_step_pre_hook(record)
         if self.a.fail_commit_at >= 0 and int(os.environ.get("LFT_REPLICA_ID", "0")) in self.a.fail_replicas:
-            mgr = self.trainer.strategy.mgr
-            exchange = mgr.exchange
+            from lightning_ft.ftar.transport.base import RecoverableError
 
-            def failing(plan, **kw):  # a partial completion: this replica votes "failed" once
-                ok = exchange(plan, **kw)
+            exchange = self.trainer.strategy.replica.exchange
+            wait = exchange.wait
+
+            def failing(plan, works):  # a partial completion: this replica votes "failed" once
+                err = wait(plan, works)
                 if plan.step == self.a.fail_commit_at and not plan.lagging and self.a.fail_commit_at >= 0:
                     self.a.fail_commit_at = -1
-                    return False
-                return ok
+                    return err or RecoverableError(None, "injected: this replica's exchange fails (--fail-commit-at)")
+                return err
 
-            mgr.exchange = failing
+            exchange.wait = failing
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.a.lr)
@@ -207,7 +209,7 @@ class GAN(MLP):
             self.untoggle_optimizer(opt_d)
         if self.a.kill_between:
             rid, at = (int(v) for v in self.a.kill_between.split(":"))
-            mgr = self.trainer.strategy.mgr
+            mgr = self.trainer.strategy.replica
             if (int(os.environ.get("LFT_REPLICA_ID", "-1")) == rid and int(os.environ.get("LFT_INCARNATION", "0")) == 0
                     and mgr.step >= at):
                 print(json.dumps({"event": "kill_between", "step": mgr.step, "opt_d_steps": mgr.step}), flush=True)

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 from lightning_ft.replica.ledger import SlotStream
-from lightning_ft.strategy import stepping
+from lightning_ft.strategy.stepping import LightningStep
 from lightning_ft.strategy.sampler import FTBatchSampler
 
 N, B, R, RID, K = 4, 2, 3, 1, 5
@@ -27,14 +27,13 @@ def strategy(model):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 3, generator=g), torch.randn(256, 1, generator=g))
     sampler = FTBatchSampler(SlotStream(len(data), B * N, R, seed=0), RID, 0, 1, N, start=lambda: 0)
-    s = SimpleNamespace(_train_data=(data, default_collate), sampler=sampler, rid=RID, recomputes=0,
-                        mgr=SimpleNamespace(micro_batches=N), _own_done=set(), _skip=set(), _extra_losses=[],
-                        _direct=False, _skipped=False, _position=None, root_device=torch.device("cpu"),
-                        _module=SimpleNamespace(automatic_optimization=True,
-                                                trainer=SimpleNamespace(accumulate_grad_batches=N)),
+    s = SimpleNamespace(train_data=(data, default_collate), sampler=sampler, rid=RID, root_device=torch.device("cpu"),
+                        module=SimpleNamespace(automatic_optimization=True,
+                                               trainer=SimpleNamespace(accumulate_grad_batches=N)),
                         batch_to_device=lambda b: b, backward=lambda loss, opt: loss.backward())
-    s.training_step = lambda batch, idx: stepping.training_step(s, lambda: loss_of(model, batch))
-    return s, data, sampler
+    step = LightningStep(s, SimpleNamespace(micro_batches=N))  # type: ignore[arg-type]
+    s.training_step = lambda batch, idx: step.training_step(lambda: loss_of(model, batch))
+    return step, data, sampler
 
 
 def grads_of(model, data, parts):
@@ -61,14 +60,14 @@ def test_after_the_plan_the_gradients_hold_exactly_what_the_round_assigns(done, 
     s, data, sampler = strategy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads_of(model, data, [(RID, K, j) for j in sorted(done)])  # what it computed before the plan
-    s._own_done = set(done)
+    s.st.own_done = set(done)
     plan = SimpleNamespace(batch_index=K, skip=skip, extra=(), micro=micro)
-    stepping.train_extra(s, plan, opt, 0)
+    s._train_extra(plan, opt, 0)
     got = [p.grad.clone() for p in model.parameters()]
     want = grads_of(model, data, [(RID, K, j) for j in range(N) if j not in skip] + list(micro))
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, atol=1e-6), (done, skip, micro)
-    assert s._own_done == set(range(N)) - set(skip)
+    assert s.st.own_done == set(range(N)) - set(skip)
     assert s.recomputes == (1 if set(done) - (set(range(N)) - set(skip)) else 0)
 
 
@@ -76,17 +75,18 @@ def test_inside_lightnings_loop_a_given_away_micro_batch_is_not_computed():
     model = torch.nn.Linear(3, 1)
     s, data, sampler = strategy(model)
     calls = []
-    s._skip = {2, 3}
+    st = s.st
+    st.skip = {2, 3}
     for j in range(N):
-        s._position = (K, j)
-        out = stepping.training_step(s, lambda j=j: calls.append(j) or torch.ones(()))
-        assert (float(out) == 0.0 and s._skipped) if j in s._skip else (float(out) == 1.0 and not s._skipped)
-        s._skipped = False
-    assert calls == [0, 1] and s._own_done == {0, 1}
+        st.position = (K, j)
+        out = s.training_step(lambda j=j: calls.append(j) or torch.ones(()))
+        skipped = s.skip_backward()
+        assert (float(out) == 0.0 and skipped) if j in st.skip else (float(out) == 1.0 and not skipped)
+    assert calls == [0, 1] and st.own_done == {0, 1}
     # outside the loop (train_extra, recompute) every call computes
-    s._direct = True
-    s._position = (K, 3)
-    assert float(stepping.training_step(s, lambda: torch.ones(()))) == 1.0
+    st.direct = True
+    st.position = (K, 3)
+    assert float(s.training_step(lambda: torch.ones(()))) == 1.0
     # a replica that cannot be shrunk never skips
-    s._direct, s.mgr.micro_batches = False, 0
-    assert float(stepping.training_step(s, lambda: torch.ones(()))) == 1.0
+    st.direct, s.replica.micro_batches = False, 0
+    assert float(s.training_step(lambda: torch.ones(()))) == 1.0

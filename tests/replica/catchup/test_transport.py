@@ -218,12 +218,13 @@ def test_a_fetcher_id_must_be_printable(pair):
 def test_a_joiner_catches_up_through_the_in_memory_transport_in_process():
     """The replica layer over `InMemoryTransport`: two managers in threads on a MemoryStore (no
     etcd, no processes). Replica 0 trains alone, replica 1 joins with another initialization,
-    catches up in a round (its fetch: sync.py; replica 0's publish and freeze: sync.py and
-    manager.py), and both end bitwise equal."""
+    catches up in a round (its fetch and replica 0's publish and freeze: catchup/transfer.py,
+    driven by replica/step.py), and both end bitwise equal."""
     import threading
 
     from lightning_ft.coord.store import MemoryStore
-    from lightning_ft.replica.manager import ReplicaManager
+    from lightning_ft.replica.core import Do
+    from lightning_ft.replica.replica import Replica
     from lightning_ft.replica.settings import Identity, Settings
 
     store = MemoryStore()
@@ -231,9 +232,9 @@ def test_a_joiner_catches_up_through_the_in_memory_transport_in_process():
     def make(rid: int):
         torch.manual_seed(rid)
         model = torch.nn.Linear(8, 4)
-        mgr = ReplicaManager(model, torch.optim.AdamW(model.parameters(), lr=0.01), Identity("j", rid, 0, 2, "s" * 16),
-                             Settings(min_replicas=1, init_timeout_s=0.2, poll_interval_s=0.01), store=store,
-                             catchup_transport=InMemoryTransport)
+        mgr = Replica(model, torch.optim.AdamW(model.parameters(), lr=0.01), Identity("j", rid, 0, 2, "s" * 16),
+                      Settings(min_replicas=1, init_timeout_s=0.2, poll_interval_s=0.01), store=store,
+                      catchup_transport=InMemoryTransport)
 
         def compute(plan) -> None:
             g = torch.Generator().manual_seed(plan.batch_index)
@@ -243,6 +244,12 @@ def test_a_joiner_catches_up_through_the_in_memory_transport_in_process():
 
     (a, model_a, compute_a), (b, model_b, compute_b) = make(0), make(1)
     joined, errors, prepared = threading.Event(), [], []
+
+    def drive(step, compute=None):
+        for ask in step:
+            if ask.do in (Do.COMPUTE, Do.RECOMPUTE):
+                compute(ask.plan)
+        return step.result
 
     def guarded(fn):
         def run() -> None:
@@ -255,18 +262,18 @@ def test_a_joiner_catches_up_through_the_in_memory_transport_in_process():
 
     def run_a() -> None:
         a.start()
-        a.prepare()
+        drive(a.prepare())
         while a.step < 8:
             if a.step == 3:
                 joined.wait(30)  # replica 1 registered: the next round has it lagging
-            a.run_step(compute_a)
+            drive(a.begin(), compute_a)
 
     def run_b() -> None:
         b.start()
         joined.set()
-        prepared.append(b.prepare())
+        prepared.append(drive(b.prepare()))
         while b.step < 8:
-            b.run_step(compute_b)
+            drive(b.begin(), compute_b)
 
     threads = [threading.Thread(target=guarded(run_a), daemon=True)]
     threads[0].start()
@@ -280,9 +287,9 @@ def test_a_joiner_catches_up_through_the_in_memory_transport_in_process():
     try:
         assert not errors, errors
         assert not any(t.is_alive() for t in threads), "a replica did not reach step 8"
-        assert isinstance(a.catchup, InMemoryTransport) and isinstance(b.catchup, InMemoryTransport)
+        assert all(isinstance(r.transfer.transport, InMemoryTransport) for r in (a, b))
         assert prepared and prepared[0].caught_up and a.step == b.step == 8
-        assert "1/0" in a.catchup.completed()  # replica 1 rank 0 fetched replica 0's publication
+        assert "1/0" in a.transfer.transport.completed()  # replica 1 rank 0 fetched replica 0's publication
         assert all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True))
     finally:
         a.close(), b.close(), store.close()

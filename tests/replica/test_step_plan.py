@@ -1,9 +1,9 @@
-"""Pure parts of the replica manager."""
+"""Pure parts of a step's plan (replica/plan.py)."""
 import math
 
 import pytest
 
-from lightning_ft.replica.manager import lr_factor
+from lightning_ft.replica.plan import lr_factor
 
 
 def test_lr_factor_modes():

@@ -1,4 +1,4 @@
-"""The end of the job (docs/ARCHITECTURE.md, "The end of the job").
+"""The end of the job (docs/ARCHITECTURE.md, "The end of the job"): the final state, served and fetched.
 
 Each replica commits a step on its own evidence (its ring completed), so the last step can
 commit on some replicas while the others abort it. In mid-job that is healed by the next
@@ -25,9 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from lightning_ft.coord import keys
+from lightning_ft.replica.plan import LOST, OK, ReplicaStateLost
+
+if TYPE_CHECKING:
+    from lightning_ft.replica.replica import Replica
 
 log = logging.getLogger("lightning_ft.replica")
 
@@ -46,7 +51,7 @@ def pending(step: int, others: Sequence[tuple[int, Optional[int]]], done: Mappin
     return out
 
 
-def _others(mgr: Any) -> list[tuple[int, Optional[int]]]:
+def _others(mgr: Replica) -> list[tuple[int, Optional[int]]]:
     """The members of our last quorum but us, and the replicas sitting out a probation or a
     quarantine of it (any incarnation: they were members before)."""
     plan = mgr.last_plan
@@ -88,13 +93,12 @@ def _read(store: Any, root: str) -> tuple[dict[int, int], dict[int, int]]:
     return done, {rid: inc for rid, inc in alive.items() if (rid, inc) not in evicted}
 
 
-def finish(mgr: Any, linger_s: float) -> None:
+def finish(mgr: Replica, linger_s: float) -> None:
     """This replica trained to the end (every rank calls it): serve the final state, record
     `finished` and `done`, and linger while a member that is behind may still fetch it."""
     others = _others(mgr)
     if others and mgr.started:
-        expected = {f"{r}/{k}" for r, _ in others for k in range(mgr.world)}
-        mgr.catchup.publish(mgr.step, mgr.state_tensors(), mgr._meta(), expected)
+        mgr.transfer.publish(mgr.step, mgr.batches, {f"{r}/{k}" for r, _ in others for k in range(mgr.world)})
     if mgr.is_leader:
         store, root = mgr.store, mgr.root
         mgr.flush_ledger()
@@ -121,7 +125,7 @@ def finish(mgr: Any, linger_s: float) -> None:
     mgr.broadcast(None)  # every rank serves until the leader stops waiting
 
 
-def _final_source(mgr: Any) -> Optional[tuple[int, int, list[str]]]:
+def _final_source(mgr: Replica) -> Optional[tuple[int, int, list[str]]]:
     """Leader: (the final step, a done replica at it, its ranks' state-server addresses) when
     this replica is behind a finished job it trained in, else None."""
     store, root = mgr.store, mgr.root
@@ -139,12 +143,10 @@ def _final_source(mgr: Any) -> Optional[tuple[int, int, list[str]]]:
     return None
 
 
-def adopt_final(mgr: Any, linger_s: float) -> bool:
+def adopt_final(mgr: Replica, linger_s: float) -> bool:
     """Every rank, on JobFinished in a round: fetch a done replica's final state if this
     replica is behind it. Returns whether it now holds the final state (False: it leaves as a
     late replica does)."""
-    from lightning_ft.replica.manager import LOST, OK, ReplicaStateLost
-
     src = None
     if mgr.is_leader:
         try:
@@ -162,7 +164,7 @@ def adopt_final(mgr: Any, linger_s: float) -> bool:
                                "is partly overwritten")
     if vote != OK:
         return False
-    mgr.step = step
+    mgr.state = replace(mgr.state, step=step)
     mgr.disarm()
     if mgr.is_leader:
         seconds = time.perf_counter() - t0

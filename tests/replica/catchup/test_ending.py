@@ -1,4 +1,4 @@
-"""The end of the job (replica/ending.py): a member that failed to commit the last step ends
+"""The end of the job (replica/catchup/ending.py): a member that failed to commit the last step ends
 at it anyway, with the finisher's state, instead of leaving one step short."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_ft.bench.localjob import Job
-from lightning_ft.replica.ending import pending
+from lightning_ft.replica.catchup.ending import pending
 from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identical_every_step
 
 
@@ -28,7 +28,7 @@ def test_a_finisher_waits_for_the_members_behind_it_that_live(others, done, aliv
 def test_the_finishers_view_of_etcd_leaves_out_evicted_incarnations():
     from lightning_ft.coord import keys
     from lightning_ft.coord.store import MemoryStore
-    from lightning_ft.replica.ending import _read, read_finished
+    from lightning_ft.replica.catchup.ending import _read, read_finished
 
     root = keys.root("/lft", "end")
     store = MemoryStore()
