@@ -44,6 +44,8 @@ import sys
 import threading
 from typing import Any, Callable, Optional, Sequence, Union
 
+from lightning_ft.launch import zygote_inherit
+
 log = logging.getLogger(__name__)
 
 MAX_MSG = 1 << 20
@@ -248,7 +250,10 @@ class Zygote:
             ev, reply = threading.Event(), dict[str, Any]()
             self._pending[rid] = (ev, reply)
         try:
-            self._send({"op": "spawn", "id": rid, "argv": list(argv), "env": env, "cwd": cwd}, [stdout, stderr])
+            # what a process exec'd from this thread now would inherit (signals, limits, ...)
+            inherit = zygote_inherit.capture()
+            self._send({"op": "spawn", "id": rid, "argv": list(argv), "env": env, "cwd": cwd, "inherit": inherit},
+                       [stdout, stderr])
             if not ev.wait(SPAWN_TIMEOUT_S) or "pid" not in reply:
                 why = reply.get("error", "no answer" if not self.failed else self.failed)
                 log.warning("zygote: could not fork %s (%s); starting it as a new process", argv[1:2], why)
