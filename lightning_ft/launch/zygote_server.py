@@ -44,7 +44,6 @@ def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds:
         os.environ.update(env)
         os.chdir(msg["cwd"])
         _fresh_stdio(env)
-        _fresh_state(env)
         # signal dispositions and mask, limits, umask, nice, CPUs: the launcher's (zygote_inherit.py)
         zygote_inherit.apply(msg["inherit"], env)
         kind, target, args = python_target(msg["argv"]) or ("", "", [])
@@ -53,8 +52,14 @@ def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds:
             os.write(report, f"{type(e).__name__}: {e}".encode()[:4000])
         finally:
             os._exit(1)
-    os.close(report)
-    code = _run(kind, target, args)
+    os.close(report)  # the zygote answers the spawn now; the reseeding below runs meanwhile
+    try:
+        _fresh_state(env)
+        code = _run(kind, target, args)
+    except BaseException:  # noqa: BLE001  (before the program ran: report it in its log and leave)
+        import traceback
+
+        traceback.print_exc()
     _exit(code)
 
 
