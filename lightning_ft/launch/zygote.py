@@ -13,6 +13,10 @@ user's program as `python script.py args` would have run it:
   `sys.stdout`/`sys.stderr` rebuilt on the new descriptors (`PYTHONUNBUFFERED` honoured);
   torch's thread count taken from `OMP_NUM_THREADS` (OpenMP read the zygote's at import);
   `random` and numpy's global generator reseeded (a fork shares the zygote's state);
+- what an exec from the launcher's spawning thread would inherit at that moment: ignored
+  signals (nohup's SIGINT/SIGHUP), the signal mask, limits, umask, nice, CPUs
+  (launch/zygote_inherit.py); a spawn it cannot reproduce is answered with an error and started
+  afresh by the caller;
 - the program run by `runpy` as `__main__`; its exit code as Python's own: `sys.exit(n)`,
   1 for an uncaught exception (traceback on stderr), SIGINT for an uncaught
   KeyboardInterrupt; atexit handlers and non-daemon threads finish first.
@@ -27,7 +31,7 @@ supervisor's `wait()`. When the supervisor goes away (its socket closes) the zyg
 children stay, as Popen children do (they leave through etcd, docs/ARCHITECTURE.md).
 
 Control channel: a SOCK_SEQPACKET socketpair, one JSON object a message, descriptors passed
-with SCM_RIGHTS. Supervisor -> zygote: {"op": "spawn", "id", "argv", "env", "cwd"} with
+with SCM_RIGHTS. Supervisor -> zygote: {"op": "spawn", "id", "argv", "env", "cwd", "inherit"} with
 [stdout, stderr]; {"op": "reap", "pid"}. Zygote -> supervisor: {"ready": true, "preloaded"},
 {"id", "pid"} or {"id", "error"}, {"exit": pid, "code"}.
 """

@@ -20,6 +20,8 @@ REPORT_WAIT_S = 3.0
 """How long the zygote waits for a forked child to become the program (it takes milliseconds)."""
 _path0: Optional[str] = None
 """The zygote's own sys.path[0] (its working directory at start, for `-m`): not a program's."""
+_start_env: dict[str, str] = {}
+"""The zygote's environment as it started (before a preloaded module could change it)."""
 
 
 def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds: list[int], report: int) -> None:
@@ -169,7 +171,7 @@ def _spawn(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds:
     """Fork the program `msg` asks for: (its pid, "") once the child is the program a fresh exec
     would have been, else (0, why not) with no child left."""
     try:
-        differs = zygote_inherit.start_env_differs(os.environ, msg["env"])
+        differs = zygote_inherit.start_env_differs(_start_env, msg["env"])
         if differs:  # read at the interpreter's start: a fork would keep the zygote's
             return 0, f"the environment sets {', '.join(differs)} differently from the zygote's"
         report_r, report_w = os.pipe()
@@ -210,10 +212,11 @@ def _spawn(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds:
 
 def serve(fd: int, preload: Sequence[str]) -> int:
     """The zygote's loop (`python -m lightning_ft.launch.zygote_server FD MODULE...`)."""
-    global _path0
+    global _path0, _start_env
     sock = socket.socket(fileno=fd)
     t0 = time.perf_counter()
     _path0 = sys.path[0] if sys.path and not sys.flags.safe_path else None
+    _start_env = dict(os.environ)
     for name in preload:
         try:
             __import__(name)
