@@ -229,6 +229,8 @@ class Zygote:
                 if waiter is not None:
                     waiter[1].update(msg)
                     waiter[0].set()
+                elif "pid" in msg:  # forked after spawn gave up (and the caller started it afresh)
+                    self._drop_late(int(msg["pid"]))
         # the zygote is gone: its children's exits can no longer be learned from it
         self.failed = self.failed or "the zygote process exited"
         self.ready.clear()
@@ -240,6 +242,18 @@ class Zygote:
         for proc in procs:
             if not proc._exited.is_set():
                 threading.Thread(target=_await_foreign_exit, args=(proc,), daemon=True).start()
+
+    def _drop_late(self, pid: int) -> None:
+        """Kill a program forked after its spawn timed out, and have the zygote reap it."""
+        log.warning("zygote: process %d was forked after its spawn gave up; killing it", pid)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            self._send({"op": "reap", "pid": pid})
+        except OSError:
+            pass
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str, stdout: int,
               stderr: int) -> Optional[ZygoteProc]:

@@ -383,3 +383,20 @@ def test_what_a_fork_cannot_take_on_is_started_afresh_by_the_caller(tmp_path, mo
         assert p is not None and p.wait(60) == 5
     finally:
         z.close()
+
+
+def test_a_program_forked_after_its_spawn_gave_up_is_killed_and_reaped(tmp_path, monkeypatch):
+    import lightning_ft.launch.zygote as zygote_mod
+
+    z = Zygote(["json"], log_path=str(tmp_path / "z.log"))
+    try:
+        assert z.ready.wait(60)
+        done = tmp_path / "ran"
+        (tmp_path / "prog.py").write_text(f"import time; time.sleep(1); open({str(done)!r}, 'w').write('x')\n")
+        monkeypatch.setattr(zygote_mod, "SPAWN_TIMEOUT_S", 0.0)  # the caller gives up before the answer
+        assert z.spawn([PY, str(tmp_path / "prog.py")], dict(os.environ), str(tmp_path), 1, 2) is None
+        time.sleep(2.0)  # the late answer came; the program would have finished by now
+        assert not done.exists()  # it did not run on beside the caller's fresh start
+        assert _children(z.proc.pid) == []  # killed and reaped (a zombie would be listed)
+    finally:
+        z.close()
