@@ -13,6 +13,10 @@ user's program as `python script.py args` would have run it:
   `sys.stdout`/`sys.stderr` rebuilt on the new descriptors (`PYTHONUNBUFFERED` honoured);
   torch's thread count taken from `OMP_NUM_THREADS` (OpenMP read the zygote's at import);
   `random` and numpy's global generator reseeded (a fork shares the zygote's state);
+- what an exec from the launcher's spawning thread would inherit at that moment: ignored
+  signals (nohup's SIGINT/SIGHUP), the signal mask, limits, umask, nice, CPUs
+  (launch/zygote_inherit.py); a spawn it cannot reproduce is answered with an error and started
+  afresh by the caller;
 - the program run by `runpy` as `__main__`; its exit code as Python's own: `sys.exit(n)`,
   1 for an uncaught exception (traceback on stderr), SIGINT for an uncaught
   KeyboardInterrupt; atexit handlers and non-daemon threads finish first.
@@ -27,7 +31,7 @@ supervisor's `wait()`. When the supervisor goes away (its socket closes) the zyg
 children stay, as Popen children do (they leave through etcd, docs/ARCHITECTURE.md).
 
 Control channel: a SOCK_SEQPACKET socketpair, one JSON object a message, descriptors passed
-with SCM_RIGHTS. Supervisor -> zygote: {"op": "spawn", "id", "argv", "env", "cwd"} with
+with SCM_RIGHTS. Supervisor -> zygote: {"op": "spawn", "id", "argv", "env", "cwd", "inherit"} with
 [stdout, stderr]; {"op": "reap", "pid"}. Zygote -> supervisor: {"ready": true, "preloaded"},
 {"id", "pid"} or {"id", "error"}, {"exit": pid, "code"}.
 """
@@ -43,6 +47,8 @@ import subprocess
 import sys
 import threading
 from typing import Any, Callable, Optional, Sequence, Union
+
+from lightning_ft.launch import zygote_inherit
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +229,8 @@ class Zygote:
                 if waiter is not None:
                     waiter[1].update(msg)
                     waiter[0].set()
+                elif "pid" in msg:  # forked after spawn gave up (and the caller started it afresh)
+                    self._drop_late(int(msg["pid"]))
         # the zygote is gone: its children's exits can no longer be learned from it
         self.failed = self.failed or "the zygote process exited"
         self.ready.clear()
@@ -234,6 +242,18 @@ class Zygote:
         for proc in procs:
             if not proc._exited.is_set():
                 threading.Thread(target=_await_foreign_exit, args=(proc,), daemon=True).start()
+
+    def _drop_late(self, pid: int) -> None:
+        """Kill a program forked after its spawn timed out, and have the zygote reap it."""
+        log.warning("zygote: process %d was forked after its spawn gave up; killing it", pid)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            self._send({"op": "reap", "pid": pid})
+        except OSError:
+            pass
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str, stdout: int,
               stderr: int) -> Optional[ZygoteProc]:
@@ -248,7 +268,10 @@ class Zygote:
             ev, reply = threading.Event(), dict[str, Any]()
             self._pending[rid] = (ev, reply)
         try:
-            self._send({"op": "spawn", "id": rid, "argv": list(argv), "env": env, "cwd": cwd}, [stdout, stderr])
+            # what a process exec'd from this thread now would inherit (signals, limits, ...)
+            inherit = zygote_inherit.capture()
+            self._send({"op": "spawn", "id": rid, "argv": list(argv), "env": env, "cwd": cwd, "inherit": inherit},
+                       [stdout, stderr])
             if not ev.wait(SPAWN_TIMEOUT_S) or "pid" not in reply:
                 why = reply.get("error", "no answer" if not self.failed else self.failed)
                 log.warning("zygote: could not fork %s (%s); starting it as a new process", argv[1:2], why)

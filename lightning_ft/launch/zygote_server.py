@@ -13,23 +13,27 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
+from lightning_ft.launch import zygote_inherit
 from lightning_ft.launch.zygote import MAX_MSG, python_target
 
+REPORT_WAIT_S = 3.0
+"""How long the zygote waits for a forked child to become the program (it takes milliseconds)."""
+_path0: Optional[str] = None
+"""The zygote's own sys.path[0] (its working directory at start, for `-m`): not a program's."""
+_start_env: dict[str, str] = {}
+"""The zygote's environment as it started (before a preloaded module could change it)."""
 
-def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds: list[int]) -> None:
-    """In the forked child: become the program and never return."""
+
+def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds: list[int], report: int) -> None:
+    """In the forked child: become the program and never return. Until it runs the program it
+    answers on `report`: closed when the child is the program a fresh exec would have been, an
+    error message (and the child leaves) when it cannot be."""
     code = 1
     try:
         sock.close()
         for fd in wake:
             os.close(fd)
         signal.set_wakeup_fd(-1)
-        for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
-        # as a fresh python starts: a write to a closed socket raises BrokenPipeError; with the
-        # default disposition it killed a forked rank whose FTAR peer had closed (CI, -13)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -42,10 +46,19 @@ def _child(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds:
         os.environ.update(env)
         os.chdir(msg["cwd"])
         _fresh_stdio(env)
-        _fresh_state(env)
+        # signal dispositions and mask, limits, umask, nice, CPUs: the launcher's (zygote_inherit.py)
+        zygote_inherit.apply(msg["inherit"], env)
         kind, target, args = python_target(msg["argv"]) or ("", "", [])
+    except BaseException as e:  # noqa: BLE001  (not the program yet: the supervisor starts it afresh)
+        try:
+            os.write(report, f"{type(e).__name__}: {e}".encode()[:4000])
+        finally:
+            os._exit(1)
+    os.close(report)  # the zygote answers the spawn now; the reseeding below runs meanwhile
+    try:
+        _fresh_state(env)
         code = _run(kind, target, args)
-    except BaseException:  # noqa: BLE001  (anything before the program ran: report it and leave)
+    except BaseException:  # noqa: BLE001  (before the program ran: report it in its log and leave)
         import traceback
 
         traceback.print_exc()
@@ -85,13 +98,17 @@ def _fresh_state(env: dict[str, str]) -> None:
 def _run(kind: str, target: str, args: list[str]) -> int:
     import runpy
 
+    # sys.path[0] as `python -m` (the working directory) or `python script.py` (the script's real
+    # directory) sets it, instead of the zygote's own (its working directory when it started)
+    if _path0 is not None and _path0 in sys.path:
+        sys.path.remove(_path0)
+    if not sys.flags.safe_path:
+        sys.path.insert(0, os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(target)))
+    sys.argv = [target, *args]
     try:
         if kind == "module":
-            sys.argv = [target, *args]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
         code = 0
     except SystemExit as e:
@@ -150,10 +167,56 @@ def _exit(code: int) -> None:
     os._exit(code & 0xFF if code >= 0 else 1)
 
 
+def _spawn(sock: socket.socket, wake: tuple[int, int], msg: dict[str, Any], fds: list[int]) -> tuple[int, str]:
+    """Fork the program `msg` asks for: (its pid, "") once the child is the program a fresh exec
+    would have been, else (0, why not) with no child left."""
+    try:
+        differs = zygote_inherit.start_env_differs(_start_env, msg["env"])
+        if differs:  # read at the interpreter's start: a fork would keep the zygote's
+            return 0, f"the environment sets {', '.join(differs)} differently from the zygote's"
+        report_r, report_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            os.close(report_r)
+            os.close(report_w)
+            return 0, str(e)
+        if pid == 0:
+            os.close(report_r)
+            _child(sock, wake, msg, fds, report_w)
+        os.close(report_w)
+    finally:
+        for f in fds:
+            os.close(f)
+    import select
+
+    error = b""
+    try:
+        while True:
+            ready, _, _ = select.select([report_r], [], [], REPORT_WAIT_S)
+            if not ready:
+                error = b"the forked child did not start the program in time"
+                os.kill(pid, signal.SIGKILL)
+                break
+            data = os.read(report_r, 4096)
+            if not data:
+                break
+            error += data
+    finally:
+        os.close(report_r)
+    if error:
+        os.waitpid(pid, 0)
+        return 0, error.decode(errors="replace")
+    return pid, ""
+
+
 def serve(fd: int, preload: Sequence[str]) -> int:
     """The zygote's loop (`python -m lightning_ft.launch.zygote_server FD MODULE...`)."""
+    global _path0, _start_env
     sock = socket.socket(fileno=fd)
     t0 = time.perf_counter()
+    _path0 = sys.path[0] if sys.path and not sys.flags.safe_path else None
+    _start_env = dict(os.environ)
     for name in preload:
         try:
             __import__(name)
@@ -200,19 +263,11 @@ def serve(fd: int, preload: Sequence[str]) -> int:
                 return 0
             msg = json.loads(data)
             if msg["op"] == "spawn":
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    for f in fds:
-                        os.close(f)
-                    sock.send(json.dumps({"id": msg["id"], "error": str(e)}).encode())
-                    continue
-                if pid == 0:
-                    _child(sock, (wake_r, wake_w), msg, fds)
-                for f in fds:
-                    os.close(f)
-                forked.add(pid)
-                sock.send(json.dumps({"id": msg["id"], "pid": pid}).encode())
+                pid, error = _spawn(sock, (wake_r, wake_w), msg, fds)
+                if pid:
+                    forked.add(pid)
+                sock.send(json.dumps({"id": msg["id"], "pid": pid} if pid else {"id": msg["id"], "error": error})
+                          .encode())
             elif msg["op"] == "watch":
                 watched.add(int(msg["pid"]))
             elif msg["op"] == "reap":

@@ -1,7 +1,9 @@
 """The zygote (launch/zygote.py): which commands it forks, and forked programs that behave as
 if `python script.py` had started them: argv, environment, working directory, exit codes,
-tracebacks, signals and process groups, torch threads, fresh random state; exits reported
-without reaping, reaped on wait; its children survive the zygote."""
+tracebacks, signals and process groups, torch threads, fresh random state; what an exec from the
+launcher would inherit (signal dispositions and mask, limits, umask, nice, CPUs, sys.path), from a
+terminal and under nohup, also after the launcher changed it; exits reported without reaping,
+reaped on wait; its children survive the zygote."""
 from __future__ import annotations
 
 import os
@@ -14,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_ft.launch import zygote_inherit
 from lightning_ft.launch.zygote import Zygote, ZygoteProc, default_preload, python_target
 
 PY = sys.executable
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("cmd, want", [
@@ -224,5 +228,175 @@ def test_spawn_before_ready_returns_none(tmp_path):
         assert z.ready.wait(60)
         z.ready.clear()  # as if its imports were still running
         assert z.spawn([PY, "x.py"], dict(os.environ), str(tmp_path), 1, 2) is None
+    finally:
+        z.close()
+
+
+PROBE = textwrap.dedent("""
+    import faulthandler, json, os, resource, signal, sys
+    st = {k: v.strip() for k, _, v in (line.partition(":") for line in open("/proc/self/status"))}
+    glibc = (1 << 31) | (1 << 32)  # its own signals 32 and 33: no program can set them
+    row = {"signals": {signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(int(s)):
+                       str(signal.getsignal(s)) for s in signal.valid_signals() if s not in (9, 19)},
+           "kernel": {k: int(st[k], 16) & ~glibc for k in ("SigIgn", "SigBlk", "SigCgt")},
+           "umask": st["Umask"], "nice": os.getpriority(os.PRIO_PROCESS, 0),
+           "cpus": sorted(os.sched_getaffinity(0)),
+           "rlimits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")},
+           "cwd": os.getcwd(), "x": os.environ.get("X"), "path": sys.path, "argv": sys.argv,
+           "own_session": os.getpgid(0) == os.getsid(0) == os.getpid(), "fds": sorted(os.listdir("/proc/self/fd")),
+           "faulthandler": faulthandler.is_enabled()}
+    with open(os.environ["OUT"], "w") as f:
+        json.dump(row, f)
+""")
+
+LAUNCHER = textwrap.dedent("""
+    import json, os, resource, signal, subprocess, sys
+    from lightning_ft.launch.zygote import Zygote
+    out_dir, preload = sys.argv[1], sys.argv[2:]
+    z = Zygote(preload, log_path=os.path.join(out_dir, "zygote.log"))
+    assert z.ready.wait(120), "the zygote did not start"
+
+    def both(name, cmd):
+        rows = []
+        for how in ("forked", "fresh"):
+            out = os.path.join(out_dir, name + "." + how + ".json")
+            env = {**os.environ, "OUT": out}
+            with open(out + ".log", "wb") as f:
+                if how == "forked":
+                    p = z.spawn(cmd, env, os.getcwd(), f.fileno(), f.fileno())
+                    assert p is not None, "the zygote did not fork " + name
+                else:  # as the supervisor starts a process without the zygote (launch/processes.py)
+                    p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                assert p.wait(60) == 0, (name, how, open(out + ".log").read())
+            rows.append(json.load(open(out)))
+        return rows
+
+    probe = os.path.join(out_dir, "probe.py")
+    result = {"as started": both("started", [sys.executable, probe])}
+    # the launcher changes what an exec inherits after the zygote started
+    os.environ["X"] = "changed"
+    os.chdir(out_dir)
+    os.umask(0o027)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024) - 7, hard))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 2)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # ignored: stays ignored across exec
+    signal.signal(signal.SIGHUP, lambda *_: None)  # handled (as lightning-ft run does): default after exec
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus[-1:])
+    result["changed"] = both("changed", [sys.executable, probe])
+    result["module"] = both("module", [sys.executable, "-m", "probe"])  # found in the working directory
+    result["launcher"] = {"nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+                          "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": cpus[-1:], "cwd": os.getcwd()}
+    z.close()
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.parametrize("start", ["terminal", "nohup"])
+def test_a_forked_program_inherits_what_a_fresh_exec_from_the_launcher_would(tmp_path, start):
+    """The launcher (with the zygote it starts) runs as from a terminal (SIGINT and SIGHUP default)
+    or in the background under nohup (both ignored), whatever the test suite itself runs under.
+    Its forked programs and its fresh ones see the same signal dispositions and mask, limits,
+    umask, nice value, CPUs, environment, working directory and sys.path: as started, and after
+    the launcher changed them."""
+    import json
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    start_dir = tmp_path / "start"  # the zygote's own working directory: not the programs'
+    start_dir.mkdir()
+    disposition = signal.SIG_IGN if start == "nohup" else signal.SIG_DFL
+
+    def as_started() -> None:
+        for s in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, disposition)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("X", None)
+    run = subprocess.run([PY, str(tmp_path / "launcher.py"), str(tmp_path), "torch"], cwd=start_dir, env=env,
+                         preexec_fn=as_started, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr + (tmp_path / "zygote.log").read_text()
+    result = json.loads(run.stdout.splitlines()[-1])
+    for when in ("as started", "changed", "module"):
+        forked, fresh = result[when]
+        for key in fresh:
+            assert forked[key] == fresh[key], (when, key, forked[key], fresh[key])
+    started, changed, module = (result[w][1] for w in ("as started", "changed", "module"))
+    # what was compared is what the start and the changes made it
+    want_int = "1" if start == "nohup" else "<built-in function default_int_handler>"
+    assert (started["signals"]["SIGINT"], started["signals"]["SIGHUP"]) == (want_int, "1" if start == "nohup" else "0")
+    assert started["signals"]["SIGPIPE"] == started["signals"]["SIGXFSZ"] == "1"
+    assert started["x"] is None and started["cwd"] == str(start_dir) and started["path"][0] == str(tmp_path)
+    assert started["own_session"] and started["fds"] == ["0", "1", "2", "3"]
+    assert (changed["signals"]["SIGINT"], changed["signals"]["SIGHUP"]) == (want_int, "0")
+    assert changed["signals"]["SIGUSR1"] == "1" and changed["signals"]["SIGTERM"] == "0"
+    assert changed["kernel"]["SigBlk"] == 1 << (signal.SIGUSR2 - 1)
+    assert changed["umask"] == "0027" and changed["x"] == "changed" and changed["cwd"] == str(tmp_path)
+    launcher = result["launcher"]
+    assert changed["rlimits"]["RLIMIT_NOFILE"] == launcher["nofile"] != started["rlimits"]["RLIMIT_NOFILE"]
+    assert changed["rlimits"]["RLIMIT_CORE"][0] == 0
+    assert changed["nice"] == launcher["nice"] and changed["cpus"] == launcher["cpus"]
+    assert module["path"][0] == str(tmp_path) and module["argv"] == [str(tmp_path / "probe.py")]
+
+
+@pytest.mark.parametrize("zygote_env, env, want", [
+    ({"PATH": "/bin"}, {"PATH": "/usr/bin", "X": "1"}, []),  # read when used: the child has the new ones
+    ({"PYTHONPATH": "/a"}, {"PYTHONPATH": "/b"}, ["PYTHONPATH"]),
+    ({}, {"PYTHONHASHSEED": "0", "LC_ALL": "C"}, ["LC_ALL", "PYTHONHASHSEED"]),
+    ({"LANG": "C.UTF-8", "PYTHONSAFEPATH": "1"}, {"LANG": "C.UTF-8"}, ["PYTHONSAFEPATH"]),
+    ({}, {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "PYTHONBREAKPOINT": "0"}, []),  # reproduced
+])
+def test_start_env_differs_names_what_only_the_interpreters_start_reads(zygote_env, env, want):
+    assert zygote_inherit.start_env_differs(zygote_env, env) == want
+
+
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+def test_what_a_fork_cannot_take_on_is_started_afresh_by_the_caller(tmp_path, monkeypatch, caplog):
+    import logging
+
+    z = Zygote(["json"], log_path=str(tmp_path / "z.log"))
+    try:
+        assert z.ready.wait(60)
+        (tmp_path / "prog.py").write_text("import sys; sys.exit(5)\n")
+        cmd = [PY, str(tmp_path / "prog.py")]
+        with caplog.at_level(logging.WARNING):
+            # an interpreter-start variable that differs: the zygote does not fork
+            assert z.spawn(cmd, {**os.environ, "PYTHONHASHSEED": "7"}, str(tmp_path), 1, 2) is None
+            # a state the child cannot set (a soft limit above the hard one): the child leaves, reaped
+            real = zygote_inherit.capture()
+            bad = {**real, "rlimits": {**real["rlimits"], "RLIMIT_NOFILE": [64, 32]}}
+            monkeypatch.setattr(zygote_inherit, "capture", lambda: bad)
+            assert z.spawn(cmd, dict(os.environ), str(tmp_path), 1, 2) is None
+        assert "PYTHONHASHSEED differently from the zygote's" in caplog.text
+        assert "cannot set RLIMIT_NOFILE to the launcher's (64, 32)" in caplog.text
+        assert _children(z.proc.pid) == []  # no child left, not even a zombie
+        monkeypatch.undo()
+        p = z.spawn(cmd, dict(os.environ), str(tmp_path), 1, 2)  # the zygote still forks
+        assert p is not None and p.wait(60) == 5
+    finally:
+        z.close()
+
+
+def test_a_program_forked_after_its_spawn_gave_up_is_killed_and_reaped(tmp_path, monkeypatch):
+    import lightning_ft.launch.zygote as zygote_mod
+
+    z = Zygote(["json"], log_path=str(tmp_path / "z.log"))
+    try:
+        assert z.ready.wait(60)
+        done = tmp_path / "ran"
+        (tmp_path / "prog.py").write_text(f"import time; time.sleep(1); open({str(done)!r}, 'w').write('x')\n")
+        monkeypatch.setattr(zygote_mod, "SPAWN_TIMEOUT_S", 0.0)  # the caller gives up before the answer
+        assert z.spawn([PY, str(tmp_path / "prog.py")], dict(os.environ), str(tmp_path), 1, 2) is None
+        time.sleep(2.0)  # the late answer came; the program would have finished by now
+        assert not done.exists()  # it did not run on beside the caller's fresh start
+        assert _children(z.proc.pid) == []  # killed and reaped (a zombie would be listed)
     finally:
         z.close()
