@@ -5,8 +5,8 @@ and after the caller-driven step).
     python -m lightning_ft.bench.step_trace [--steps 30] [--at 20] [--tree PATH]
 
 Runs `examples/train_lm.py` as 2 replicas x 1 process under `lightning-ft run` (fresh processes,
-no zygote) with a profiler injected through `sitecustomize` (nothing in the package knows of it). On replica 0's rank 0 it
-records every call into a lightning_ft function from the entry of the strategy's
+no zygote) with a profiler injected through `sitecustomize` (nothing in the package knows of
+it). On replica 0's rank 0 it records every call into a lightning_ft function from the entry of the strategy's
 `optimizer_step` number `--at` (a steady step: no failure, nobody joining) to the entry of the
 next one, on every thread (the quorum thread's round included), and the deepest stack of
 lightning_ft frames. `--tree` runs another checkout (e.g. a worktree of an older commit) with
