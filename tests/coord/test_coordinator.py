@@ -13,10 +13,10 @@ from itertools import pairwise
 import pytest
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, MembershipSettings, QuorumTimeout
-from lightning_ft.coord.membership import CoordinatorClosed
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.membership import ConfigMismatch, CoordinatorClosed, MembershipSettings, QuorumTimeout
 from lightning_ft.coord.demo import LeaderProc
-from lightning_ft.coord.quorum import JobSpec
+from lightning_ft.coord.round_records import JobSpec
 from lightning_ft.coord.store import EtcdStore, MemoryStore
 
 TTL = 1.0

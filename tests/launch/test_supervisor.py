@@ -335,8 +335,9 @@ def _leaving_leader(path, tail: str, first_only: bool = False):
     exit 0 at once."""
     path.write_text(
         "import os, signal, time\n"
-        "from lightning_ft.coord.coordinator import Coordinator, MembershipSettings\n"
-        "from lightning_ft.coord.quorum import JobSpec\n"
+        "from lightning_ft.coord.coordinator import Coordinator\n"
+        "from lightning_ft.coord.membership import MembershipSettings\n"
+        "from lightning_ft.coord.round_records import JobSpec\n"
         "from lightning_ft.coord.store import EtcdStore\n"
         + ("if os.environ['LFT_INCARNATION'] != '0':\n    raise SystemExit(0)\n" if first_only else "")
         + "s = EtcdStore(os.environ['LFT_ETCD'])\n"

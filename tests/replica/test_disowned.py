@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
-from lightning_ft.coord.quorum import JobSpec
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.membership import MembershipSettings
+from lightning_ft.coord.round_records import JobSpec
 from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica import ledger
 from lightning_ft.replica.manager import ReplicaManager
@@ -64,7 +65,7 @@ class _Server:
 def test_a_commit_names_its_round_in_the_next_report():
     """Provenance (quorum rule 8): the report says which round made the state, so a state kept
     from a round the others redid without us is stale even when nothing fenced our records."""
-    from lightning_ft.coord.quorum import Quorum
+    from lightning_ft.coord.round_records import Quorum
     from lightning_ft.replica.manager import OK, StepPlan
 
     s = MemoryStore()
