@@ -25,7 +25,7 @@ from typing import Optional
 from .coordinator import Coordinator
 from .membership import MembershipSettings
 from .round_records import JobSpec
-from .store import EtcdStore
+from .etcd_store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
 
 

@@ -17,7 +17,8 @@ from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.coord.membership import ConfigMismatch, CoordinatorClosed, MembershipSettings, QuorumTimeout
 from lightning_ft.coord.demo import LeaderProc
 from lightning_ft.coord.round_records import JobSpec
-from lightning_ft.coord.store import EtcdStore, MemoryStore
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import MemoryStore
 
 TTL = 1.0
 

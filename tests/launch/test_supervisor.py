@@ -18,7 +18,8 @@ from typing import Callable
 
 import pytest
 
-from lightning_ft.coord.store import EtcdStore, MemoryStore
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import MemoryStore
 from lightning_ft.constants import ExitCode
 from lightning_ft.launch.processes import TERM_GRACE_S
 from lightning_ft.launch.supervisor import Supervisor
@@ -338,7 +339,7 @@ def _leaving_leader(path, tail: str, first_only: bool = False):
         "from lightning_ft.coord.coordinator import Coordinator\n"
         "from lightning_ft.coord.membership import MembershipSettings\n"
         "from lightning_ft.coord.round_records import JobSpec\n"
-        "from lightning_ft.coord.store import EtcdStore\n"
+        "from lightning_ft.coord.etcd_store import EtcdStore\n"
         + ("if os.environ['LFT_INCARNATION'] != '0':\n    raise SystemExit(0)\n" if first_only else "")
         + "s = EtcdStore(os.environ['LFT_ETCD'])\n"
         "c = Coordinator(s, os.environ['LFT_JOB'], 0, int(os.environ['LFT_INCARNATION']), JobSpec(1, 1, 0.0, {}),\n"
