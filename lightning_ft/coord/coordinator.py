@@ -56,11 +56,13 @@ class Coordinator:
     rounds adopted and recorded, the history a decision reads. It holds the leader's
     `membership` (coord/membership.py: registration, lease, watches, addresses, evictions).
 
-    Threads (docs/ARCHITECTURE.md, "Threads"): the training thread calls everything here but
-    `record_steady` (the replica's background recorder; it reads only immutable fields) and
-    `fence` (the recorder too; an immutable snapshot). The rounds' state (`_current`,
-    `_next_round`, `_before_steady`, `evaluations`, ...) is the training thread's alone; the
-    watches learn the current round through `membership.watched.follow`.
+    Threads (docs/ARCHITECTURE.md, "Threads"): the round thread (whichever thread runs the
+    replica's round: its training thread, or its quorum worker `lft-quorum-r{rid}` while the
+    round overlaps the backward pass; one at a time) calls everything here but `record_steady`
+    (the replica's background recorder `lft-bg-r{rid}`; it reads only immutable fields) and
+    `fence`, `report_stall` (an immutable snapshot of the lease). The rounds' state
+    (`_current`, `_next_round`, `_before_steady`, `evaluations`, ...) is the round thread's
+    alone; the watches learn the current round through `membership.watched.follow`.
 
     Args: as `Membership`'s, and
         on_event: called by the deciding leader as on_event(name, **fields) for rewind,

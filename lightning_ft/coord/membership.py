@@ -81,14 +81,15 @@ class Grant:
 class Membership:
     """One per replica leader: its membership in the job.
 
-    Threads (docs/ARCHITECTURE.md, "Threads"): the training thread registers, publishes our
-    report (`report`, `publish`), heartbeats and closes; the keepalive thread
+    Threads (docs/ARCHITECTURE.md, "Threads"): the round thread (see Coordinator) registers,
+    publishes our report (`report`, `publish`), heartbeats and closes; the keepalive thread
     (`lft-lease-r{rid}`) keeps the lease alive; the watch callbacks write `watched`. Between
-    them: `_grant` (an immutable Grant, replaced whole by the training thread), `_last_progress`
-    (a float the training thread replaces, the keepalive reads), and the events `lease_lost`
-    (set by the keepalive, cleared by a new grant), `_changed` (set by the watches and the
-    keepalive, cleared by the training thread's next report) and `wake` (set by the watches,
-    the keepalive and close; the training thread waits on it).
+    them: `_grant` (an immutable Grant, replaced whole by the round thread; the keepalive, the
+    ledger's fence and stall reports read it), `_last_progress` (a float the round thread
+    replaces, the keepalive reads), and the events `lease_lost` (set by the keepalive, cleared
+    by a new grant), `_changed` (set by the watches and the keepalive, cleared at the round
+    thread's next report) and `wake` (set by the watches, the keepalive and close; the round
+    thread waits on it).
 
     Args:
         store: the job's etcd (or a MemoryStore).
@@ -118,7 +119,7 @@ class Membership:
         self.wake = threading.Event()
         """Set when something the rounds wait for may have happened (a watch event, a lapsed lease, close)."""
         self.lease_lost = threading.Event()
-        """Our lease lapsed (the keepalive saw it): the training thread re-registers (`recover_lease`)."""
+        """Our lease lapsed (the keepalive saw it): the round thread re-registers (`recover_lease`)."""
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._grant = Grant()
@@ -136,7 +137,7 @@ class Membership:
     # -- what the rounds read --------------------------------------------------------------------
     @property
     def report(self) -> Report:
-        """Our member report (set by `register`; the training thread's)."""
+        """Our member report (set by `register`; the round thread's)."""
         if self._report is None:
             raise RuntimeError(f"replica {self.rid}: no member report before register()")
         return self._report

@@ -2,10 +2,10 @@
 under `quorum/`, the evictions, which members of the current quorum are dead (evicted, or
 their lease expired), and, while it decides rounds, the members' reports.
 
-This is the hand-off between the watch callbacks and the training thread. The callbacks
-(EtcdStore: one thread per watch, `lft-watch <prefix>`; MemoryStore: the thread that wrote)
-write it through `apply`; the training thread reads it and hands over the quorum failures
-are judged against (`follow`). Every field is under `_lock`, and every read returns a copy."""
+This is the hand-off between the watch callbacks and the round thread (coord/coordinator.py).
+The callbacks (EtcdStore: one thread per watch, `lft-watch <prefix>`; MemoryStore: the thread
+that wrote) write it through `apply`; the round thread reads it and hands over the quorum
+failures are judged against (`follow`). Every field is under `_lock`; every read is a copy."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,7 @@ class Watched:
         self._root, self._rid = root, rid
         self._lock = threading.Lock()
         self._quorum: Optional[Quorum] = None
-        """The round the training thread is in (`follow`): its members' failures are failures."""
+        """The round the round thread is in (`follow`): its members' failures are failures."""
         self._dead: set[tuple[int, int]] = set()
         """Members of `_quorum` seen evicted or expired."""
         self._evicted: set[tuple[int, int]] = set()
@@ -76,7 +76,7 @@ class Watched:
                     changed = True
         return changed, failed
 
-    # -- the training thread ---------------------------------------------------------------------
+    # -- the round thread ------------------------------------------------------------------------
     def follow(self, q: Optional[Quorum], *, prune: bool = False) -> None:
         """Judge failures against `q` from now on; `prune`: forget the dead that are not in it."""
         with self._lock:
