@@ -1,5 +1,7 @@
 """A replica leader's view of the job in etcd: registration, leases, reports, the per-round
-quorum, evictions and failure watches (docs/ARCHITECTURE.md, "The quorum").
+quorum, evictions and failure watches (docs/ARCHITECTURE.md, "The quorum"). `Coordinator`
+is the rounds; it holds a `Membership` (coord/membership.py: registration, the lease, the
+watches, addresses, evictions), and what the watches deliver is coord/watched.py.
 
 Only replica leaders (local rank 0) talk to etcd; they fan the quorum out to their ranks.
 
@@ -38,7 +40,7 @@ from .membership import (ConfigMismatch, CoordinatorClosed, Evicted, JobFinished
                          MembershipSettings, QuorumTimeout)
 from .quorum import compute_quorum, waiting_for
 from .round_records import Decision, Halt, History, JobSpec, Quorum, Report, decode_round
-from .store import StoreError, Store
+from .store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
