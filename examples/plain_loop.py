@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("LFT_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     if a.reference:
         return reference(a)
-    from lightning_ft.coord.coordinator import JobFinished
+    from lightning_ft.coord.membership import JobFinished
     from lightning_ft.replica.group import ReplicaGroup
     from lightning_ft.replica.batch_policy import own_todo
     from lightning_ft.replica.core import Do

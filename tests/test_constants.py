@@ -9,7 +9,8 @@ import pytest
 from lightning_ft.callbacks.lr import LRIntervention
 from lightning_ft.config import ConfigError, load_config
 from lightning_ft.constants import BatchPolicy, ExitCode, LRMode, Role
-from lightning_ft.coord.quorum import Quorum, adopt_role
+from lightning_ft.coord.quorum import adopt_role
+from lightning_ft.coord.round_records import Quorum
 from lightning_ft.replica.batch_policy import round_batches
 from lightning_ft.replica.plan import lr_factor
 

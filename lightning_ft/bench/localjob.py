@@ -15,7 +15,7 @@ from typing import IO, Callable, Optional
 
 from lightning_ft.coord import keys, standby
 from lightning_ft.coord.etcd_server import free_port
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
 from lightning_ft.launch.zygote import Proc, Zygote, default_preload, python_target
 

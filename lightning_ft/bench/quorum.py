@@ -28,9 +28,10 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def worker(endpoint: str, job: str, rids: list[int], total: int, rounds: int) -> None:
-    from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
-    from lightning_ft.coord.quorum import JobSpec
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.coordinator import Coordinator
+    from lightning_ft.coord.membership import MembershipSettings
+    from lightning_ft.coord.round_records import JobSpec
+    from lightning_ft.coord.etcd_store import EtcdStore
 
     spec = JobSpec(total, total, 60.0, {"job": job})
     lat: dict[int, list[float]] = {r: [] for r in rids}

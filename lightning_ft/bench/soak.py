@@ -302,7 +302,7 @@ def _soak(a: argparse.Namespace) -> tuple[int, dict]:
     from lightning_ft.bench import netns
     from lightning_ft.coord.runs import recorded_root
     from lightning_ft.coord.etcd_server import EtcdCluster
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.etcd_store import EtcdStore
     from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
     row: dict = {}

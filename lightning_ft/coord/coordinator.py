@@ -1,5 +1,7 @@
 """A replica leader's view of the job in etcd: registration, leases, reports, the per-round
-quorum, evictions and failure watches (docs/ARCHITECTURE.md, "The quorum").
+quorum, evictions and failure watches (docs/ARCHITECTURE.md, "The quorum"). `Coordinator`
+is the rounds; it holds a `Membership` (coord/membership.py: registration, the lease, the
+watches, addresses, evictions), and what the watches deliver is coord/watched.py.
 
 Only replica leaders (local rank 0) talk to etcd; they fan the quorum out to their ranks.
 
@@ -28,14 +30,17 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from . import keys
-from .quorum import (Decision, Halt, History, Quorum, Report, compute_quorum, decode_round, waiting_for)
-from .store import LeaseExpired, StoreError
-from lightning_ft.coord.membership import (ConfigMismatch, CoordinatorClosed, Evicted, JobFinished, JobHalted,
-                                           Membership, MembershipSettings, QuorumTimeout)
+from .addresses import Addresses
+from .membership import (CoordinatorClosed, Evicted, JobHalted, Membership,
+                         MembershipSettings, QuorumTimeout)
+from .quorum import compute_quorum, waiting_for
+from .round_records import Decision, Halt, History, JobSpec, Quorum, Report, decode_round
+from .store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +48,94 @@ KEEP_ROUNDS = 32
 """Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
 
 
-__all__ = ["ConfigMismatch", "Coordinator", "CoordinatorClosed", "Evicted", "JobFinished", "JobHalted",
-           "MembershipSettings", "QuorumTimeout"]
-
-
-class Coordinator(Membership):
+class Coordinator:
     """The rounds as one leader takes part in them: full rounds decided through etcd, steady
-    rounds adopted and recorded, the history a decision reads (over its membership)."""
+    rounds adopted and recorded, the history a decision reads. It holds the leader's
+    `membership` (coord/membership.py: registration, lease, watches, addresses, evictions).
 
-    def _could_decide(self, round: int, waited_s: float) -> bool:
-        """Whether the reports our watch delivered could decide `round` (quorum.waiting_for)."""
-        with self._dead_lock:
-            reports, evicted = dict(self._reports), set(self._evicted)
-        previous = self._current if self._current is not None and self._current.round == round - 1 else None
-        if previous is None and self._current is not None:
-            return True  # we missed rounds: only etcd knows the previous quorum
-        return not waiting_for(round, reports, evicted, previous, self.spec, waited_s)
+    Threads (docs/ARCHITECTURE.md, "Threads"): the round thread (whichever thread runs the
+    replica's round: its training thread, or its quorum worker `lft-quorum-r{rid}` while the
+    round overlaps the backward pass; one at a time) calls everything here but `record_steady`
+    (the replica's background recorder `lft-bg-r{rid}`; it reads only immutable fields) and
+    `fence`, `report_stall` (an immutable snapshot of the lease). The rounds' state
+    (`_current`, `_next_round`, `_before_steady`, `evaluations`, ...) is the round thread's
+    alone; the watches learn the current round through `membership.watched.follow`.
 
+    Args: as `Membership`'s, and
+        on_event: called by the deciding leader as on_event(name, **fields) for rewind,
+            diverged, halt and exclusion decisions (the manager appends them to events.jsonl).
+        clock: the monotonic clock the hang timeout and round waits read (tests pass their own).
+    """
+
+    def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec,
+                 settings: Optional[MembershipSettings] = None, *, run: str = "",
+                 on_failure: Optional[Callable[[int, str], None]] = None,
+                 on_event: Optional[Callable[..., None]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.membership = m = Membership(store, job, rid, incarnation, spec, settings, run=run,
+                                         on_failure=on_failure, clock=clock)
+        self.store, self.rid, self.incarnation, self.spec, self.root = store, rid, incarnation, spec, m.root
+        self.on_event = on_event
+        self._clock = clock
+        self._poll_s = m.settings.poll_interval_s
+        self._slow_poll_s = max(m.settings.poll_interval_s * 5, 0.25)
+        self._fallback_s = 2.0 * m.settings.lease_ttl_s
+        self._current: Optional[Quorum] = None
+        self._before_steady: Optional[Quorum] = None
+        """The round a steady round followed (retract_steady goes back to it)."""
+        self._next_round = 0
+        self._last_reason = ""
+        self.evaluations = 0
+        """Decisions evaluated from etcd (one a round when the watched reports allow it)."""
+        self._stragglers: set[int] = set()
+        """Stragglers of the last round this leader decided (a `straggler` event per new one)."""
+
+    # -- the membership, for callers -------------------------------------------------------------
+    def register(self, step: int, addrs: Sequence[str] = (), state_addrs: Sequence[str] = (), **state: Any) -> None:
+        """Join the job (`Membership.register`); the first round we report for follows the newest recorded."""
+        self.membership.register(step, addrs, state_addrs, **state)
+        self._next_round = self.membership.report.round
+
+    def heartbeat(self) -> None:
+        """The training loop made progress. Call at least every hang_timeout_s."""
+        self.membership.heartbeat()
+
+    def fence(self) -> dict[str, int]:
+        """The ledger fence (`Membership.fence`)."""
+        return self.membership.fence()
+
+    def addresses(self, rid: int, incarnation: int) -> Optional[Addresses]:
+        """(FTAR, state-server) addresses of every rank of (rid, incarnation) (`Membership.addresses`)."""
+        return self.membership.addresses(rid, incarnation)
+
+    def report_stall(self, stall: dict[str, Any]) -> None:
+        """Publish where our exchange waits (`Membership.report_stall`)."""
+        self.membership.report_stall(stall)
+
+    def evict(self, rid: int, incarnation: int, reason: str) -> None:
+        """Declare (rid, incarnation) dead, effective for everyone at once."""
+        self.membership.evict(rid, incarnation, reason)
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop the threads; with `revoke`, leave the job at once (`Membership.close`)."""
+        self.membership.close(revoke)
+
+    @property
+    def changed(self) -> bool:
+        """A watch saw a change since our last full-round report: the next round must be a full round."""
+        return self.membership.changed
+
+    @property
+    def watching_reports(self) -> bool:
+        """Whether we hold the members/ watch (we decide the rounds)."""
+        return self.membership.watching_reports
+
+    @property
+    def current(self) -> Optional[Quorum]:
+        """The round we are in (None before the first)."""
+        return self._current
+
+    # -- full rounds -----------------------------------------------------------------------------
     def quorum(self, step: int, timeout_s: Optional[float] = None, cursor: Optional[int] = None,
                ring_ok: bool = True, **state: Any) -> Quorum:
         """Report `step` for our next round and return the round's quorum, which includes us.
@@ -70,36 +146,36 @@ class Coordinator(Membership):
         Blocks until the round is decided, moving to later rounds while we are left out.
         Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted,
         JobHalted if the job was stopped."""
+        m = self.membership
         deadline = None if timeout_s is None else self._clock() + timeout_s
         # Changes seen from here on count for the round after this one: whatever happened before
         # our report, the decider reads from etcd when it evaluates this round.
-        self.changed = self._lease_lost.is_set()
+        m.new_report()
         state.setdefault("digest", "")
         state.setdefault("digest_step", -1)
         state.setdefault("blame", ())
-        self._report = replace(self._own_report, ring_ok=ring_ok,
-                               cursor=self._own_report.cursor if cursor is None else cursor, **state)
+        m.report = replace(m.report, ring_ok=ring_ok, cursor=m.report.cursor if cursor is None else cursor, **state)
         self._publish(step, self._next_round)
         started = last_get = self._clock()
         last_eval = started
         first = True
         while True:
-            if self._stop.is_set():  # closed (the process exits): Python's exit would join this thread
+            if m.closed:  # closed (the process exits): Python's exit would join this thread
                 raise CoordinatorClosed(f"replica {self.rid}: the coordinator was closed while round "
-                                        f"{self._own_report.round} waited")
+                                        f"{m.report.round} waited")
             if first or self._clock() - last_get >= self._slow_poll_s:
-                self._check_finished()
-            self.heartbeat()
-            self._wake.clear()
-            if self._lease_lost.is_set():
-                self._recover_lease()
-            round = self._own_report.round
+                m.check_finished()
+            m.heartbeat()
+            m.wake.clear()
+            if m.lease_lost.is_set():
+                m.recover_lease()
+            round = m.report.round
             now = self._clock()
-            raw = self._decisions.get(round)
+            raw = m.watched.decision(round)
             if raw is None and (first or now - last_get >= self._slow_poll_s):
                 kv = self.store.get(self._round_key(round))
                 raw, last_get = (kv.value if kv else None), now
-            newer = self._newer_decision(round) if raw is None and self._own_report.joining else None
+            newer = self._newer_decision(round) if raw is None and m.report.joining else None
             if newer is not None:
                 # A joiner whose round the others passed without recording it (steady rounds are
                 # recorded in the background): take the first later decision that has us, else
@@ -114,7 +190,7 @@ class Coordinator(Membership):
                     continue
             decider = raw is None and newer is None and self._is_decider(now - started)
             if decider:
-                self._watch_reports(True)
+                m.watch_reports(True)
             # Evaluate from etcd once the watched reports could decide the round (and at least
             # every slow poll, whatever they say).
             if decider and (first or now - last_eval >= self._slow_poll_s or self._could_decide(round, now - started)):
@@ -136,24 +212,101 @@ class Coordinator(Membership):
                 if taken:
                     return q
                 # Left out: evicted (exit), or we reported too late (try the next round).
-                if self.store.get(keys.evict(self._root, self.rid, self.incarnation)) is not None:
+                if self.store.get(keys.evict(self.root, self.rid, self.incarnation)) is not None:
                     raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted; exiting so "
                                   "the supervisor restarts it")
-                if self._own_report.joining:
+                if m.report.joining:
                     # our report counts for every round (rule 1): a later one may already have us
                     later = self._recorded_with_us(round)
                     if later is not None:
                         q, taken = self._take(later[1])
                         if taken:
                             return q
-                self._publish(step, max(round, self._latest_round()) + 1)
+                self._publish(step, max(round, m.latest_round()) + 1)
                 started = self._clock()
                 continue
             if deadline is not None and self._clock() > deadline:
                 raise QuorumTimeout(f"replica {self.rid}: no quorum for round {round} after {timeout_s:.1f}s; "
                                     f"last reason: {self._last_reason or 'waiting for the decider'}")
-            self._wake.wait(self.poll_interval_s)
+            m.wake.wait(self._poll_s)
 
+    def _round_key(self, round: int) -> str:
+        return keys.quorum(self.root, round)
+
+    def _publish(self, step: int, round: int) -> None:
+        self.membership.publish(replace(self.membership.report, step=step, round=round))
+
+    def _could_decide(self, round: int, waited_s: float) -> bool:
+        """Whether the reports our watch delivered could decide `round` (quorum.waiting_for)."""
+        reports, evicted = self.membership.watched.reports()
+        previous = self._current if self._current is not None and self._current.round == round - 1 else None
+        if previous is None and self._current is not None:
+            return True  # we missed rounds: only etcd knows the previous quorum
+        return not waiting_for(round, reports, evicted, previous, self.spec, waited_s)
+
+    def _is_decider(self, waited_s: float) -> bool:
+        """Whether to evaluate the round ourselves. The decider is the lowest-id member of the
+        previous quorum not known dead; the others only wait for its decision. Anyone steps
+        in after `fallback_s` (or at once at round 0), which is safe: creation is a CAS."""
+        q = self._current
+        if q is None:
+            return self.membership.report.round == 0 or waited_s >= self._fallback_s
+        alive = self.membership.watched.alive(q)
+        return not alive or alive[0] == self.rid or waited_s >= self._fallback_s
+
+    def _take(self, raw: bytes) -> tuple[Quorum, bool]:
+        """A stored decision: raise JobHalted for a halt; else (its quorum, whether we are in it
+        and adopted it)."""
+        q = decode_round(raw)
+        if isinstance(q, Halt):
+            raise JobHalted(q.reason)
+        if (self.rid, self.incarnation) in q.member_set():
+            self._adopt(q)
+            return q, True
+        return q, False
+
+    def _adopt(self, q: Quorum) -> None:
+        m = self.membership
+        self._before_steady = None
+        if m.report.joining:
+            m.report = replace(m.report, joining=False)
+        self._current = q
+        m.watched.follow(q, prune=True)
+        self._next_round = q.round + 1
+        m.watched.forget_decisions(q.round)
+        m.watch_reports(self._is_decider(0.0))
+        self._log_reason(q.reason)
+
+    def _first_with_us(self, decisions: list[tuple[int, bytes]], after: int) -> Optional[tuple[int, bytes]]:
+        """Of (round, stored decision) pairs in round order: the first after round `after` that
+        has us, or is a halt; None when none does."""
+        for r, raw in decisions:
+            if r <= after:
+                continue
+            d = decode_round(raw)
+            if isinstance(d, Halt) or (self.rid, self.incarnation) in d.member_set():
+                return r, raw
+        return None
+
+    def _recorded_with_us(self, round: int) -> Optional[tuple[int, bytes]]:
+        """The first round after `round` recorded in etcd that has us (or a halt), or None."""
+        kvs, _ = self.store.get_prefix(keys.quorum(self.root))
+        return self._first_with_us([(keys.round_of(kv.key), kv.value) for kv in kvs], round)
+
+    def _newer_decision(self, round: int) -> Optional[tuple[int, bytes]]:
+        """Of the decisions the quorum/ watch delivered for rounds after `round`: the first that
+        has us (or a halt), else the newest; None when there are none. The first, so that we
+        adopt every round we are a member of, in order, as the others do."""
+        newer = self.membership.watched.decisions_after(round)
+        return self._first_with_us(newer, round) or (newer[-1] if newer else None)
+
+    def latest_quorum(self) -> Optional[Quorum]:
+        """The newest decided quorum in the store (any leader's), or None before the first."""
+        kvs, _ = self.store.get_prefix(keys.quorum(self.root))
+        quorums = [q for q in map(decode_round, (kv.value for kv in kvs)) if isinstance(q, Quorum)]
+        return quorums[-1] if quorums else None
+
+    # -- steady rounds ---------------------------------------------------------------------------
     def adopt_steady(self, q: Quorum) -> None:
         """Adopt a steady round derived locally (quorum.steady_next); the lowest-id member also
         records it in etcd, off the critical path (`record_steady`), for joiners and the
@@ -161,8 +314,9 @@ class Coordinator(Membership):
         if self._current is not None and self._current.round == q.round - 1:
             self._before_steady = self._current
         self._current = q
+        self.membership.watched.follow(q)
         self._next_round = q.round + 1
-        self._report = replace(self._own_report, round=q.round, step=q.max_step)
+        self.membership.report = replace(self.membership.report, round=q.round, step=q.max_step)
 
     def retract_steady(self) -> None:
         """Our steady round failed (a member went to a full round and aborted the ring, or a
@@ -183,8 +337,10 @@ class Coordinator(Membership):
         if isinstance(recorded, Quorum) and recorded.steady:
             return  # the round is recorded as the steady round that failed: it is over, go on to the next
         self._current = self._before_steady
+        self.membership.watched.follow(self._current)
         self._next_round = q.round
-        self._report = replace(self._own_report, round=q.round - 1, step=self._before_steady.max_step)
+        self.membership.report = replace(self.membership.report, round=q.round - 1,
+                                         step=self._before_steady.max_step)
 
     def record_steady(self, q: Quorum) -> None:
         """Store a steady round's quorum (create-if-absent, so a full decision of the same round
@@ -197,89 +353,18 @@ class Coordinator(Membership):
         except StoreError as e:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
 
-    def _take(self, raw: bytes) -> tuple[Quorum, bool]:
-        """A stored decision: raise JobHalted for a halt; else (its quorum, whether we are in it
-        and adopted it)."""
-        q = decode_round(raw)
-        if isinstance(q, Halt):
-            raise JobHalted(q.reason)
-        if (self.rid, self.incarnation) in q.member_set():
-            self._adopt(q)
-            return q, True
-        return q, False
-
-    def _first_with_us(self, decisions: list[tuple[int, bytes]], after: int) -> Optional[tuple[int, bytes]]:
-        """Of (round, stored decision) pairs in round order: the first after round `after` that
-        has us, or is a halt; None when none does."""
-        for r, raw in decisions:
-            if r <= after:
-                continue
-            d = decode_round(raw)
-            if isinstance(d, Halt) or (self.rid, self.incarnation) in d.member_set():
-                return r, raw
-        return None
-
-    def _recorded_with_us(self, round: int) -> Optional[tuple[int, bytes]]:
-        """The first round after `round` recorded in etcd that has us (or a halt), or None."""
-        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
-        return self._first_with_us([(keys.round_of(kv.key), kv.value) for kv in kvs], round)
-
-    def _newer_decision(self, round: int) -> Optional[tuple[int, bytes]]:
-        """Of the decisions the quorum/ watch delivered for rounds after `round`: the first that
-        has us (or a halt), else the newest; None when there are none. The first, so that we
-        adopt every round we are a member of, in order, as the others do."""
-        newer = sorted((r, self._decisions[r]) for r in list(self._decisions) if r > round)
-        return self._first_with_us(newer, round) or (newer[-1] if newer else None)
-
-    def _adopt(self, q: Quorum) -> None:
-        self._before_steady = None
-        if self._own_report.joining:
-            self._report = replace(self._own_report, joining=False)
-        with self._dead_lock:
-            self._current = q
-            self._dead = {m for m in self._dead if m in q.member_set()}
-        self._next_round = q.round + 1
-        for r in list(self._decisions):  # list(): the watch thread inserts concurrently
-            if r <= q.round:
-                self._decisions.pop(r, None)
-        self._watch_reports(self._is_decider(0.0))
-        self._log_reason(q.reason)
-
-    def _is_decider(self, waited_s: float) -> bool:
-        """Whether to evaluate the round ourselves. The decider is the lowest-id member of the
-        previous quorum not known dead; the others only wait for its decision. Anyone steps
-        in after `fallback_s` (or at once at round 0), which is safe: creation is a CAS."""
-        q = self._current
-        if q is None:
-            return self._own_report.round == 0 or waited_s >= self._fallback_s
-        with self._dead_lock:
-            alive = [r for r, i in zip(q.members, q.incarnations, strict=True) if (r, i) not in self._dead]
-        return not alive or alive[0] == self.rid or waited_s >= self._fallback_s
-
-    def _publish(self, step: int, round: int) -> None:
-        self._report = replace(self._own_report, step=step, round=round)
-        try:
-            self.store.put(keys.members(self._root, self.rid), self._own_report.to_json(), lease=self._lease)
-        except LeaseExpired:
-            self._recover_lease()
-
-    def latest_quorum(self) -> Optional[Quorum]:
-        """The newest decided quorum in the store (any leader's), or None before the first."""
-        kvs, _ = self.store.get_prefix(keys.quorum(self._root))
-        quorums = [q for q in map(decode_round, (kv.value for kv in kvs)) if isinstance(q, Quorum)]
-        return quorums[-1] if quorums else None
-
+    # -- deciding --------------------------------------------------------------------------------
     def _evaluate(self, round: int, waited_s: float) -> Decision:
         self.evaluations += 1
-        members, rev = self.store.get_prefix(keys.members(self._root))
-        evicts, _ = self.store.get_prefix(keys.evict(self._root), revision=rev)
+        members, rev = self.store.get_prefix(keys.members(self.root))
+        evicts, _ = self.store.get_prefix(keys.evict(self.root), revision=rev)
         reports = {}
         for kv in members:
             rep = Report.from_json(kv.value)
             reports[rep.rid] = rep
         evicted = set()
         for kv in evicts:
-            _, rid, inc = kv.key[len(self._root):].split("/")
+            _, rid, inc = kv.key[len(self.root):].split("/")
             evicted.add((int(rid), int(inc)))
         previous: Optional[Quorum]
         if self._current is not None and self._current.round == round - 1:
@@ -299,17 +384,17 @@ class Coordinator(Membership):
 
         cursors: dict[int, int] = {}
         if self.spec.batch_policy == "constant":
-            cursors = read_cursors(self.store, self._root, range(self.spec.replicas),
+            cursors = read_cursors(self.store, self.root, range(self.spec.replicas),
                                    previous.gen if previous is not None else None)
         if previous is None:
             from lightning_ft.replica.ledger import latest_gen
 
-            return History(0, gen=latest_gen(self.store, self._root), cursors=cursors)
+            return History(0, gen=latest_gen(self.store, self.root), cursors=cursors)
         top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)
         if top > previous.max_step:
             return History(top, cursors=cursors)
-        h = previous.max_step + (1 if recorded(self.store, self._root, previous.gen, previous.max_step) else 0)
-        kvs, _ = self.store.get_prefix(keys.ckpts(self._root))
+        h = previous.max_step + (1 if recorded(self.store, self.root, previous.gen, previous.max_step) else 0)
+        kvs, _ = self.store.get_prefix(keys.ckpts(self.root))
         ckpts = tuple((int(d["step"]), str(d["path"])) for d in (json.loads(kv.value) for kv in kvs))
         return History(h, ckpts, cursors=cursors)
 
@@ -320,7 +405,7 @@ class Coordinator(Membership):
             self.store.delete(self._round_key(old))
         q = decision.quorum
         if decision.halt:
-            self.store.put(keys.halt(self._root), json.dumps({"reason": decision.halt, "round": round}).encode())
+            self.store.put(keys.halt(self.root), json.dumps({"reason": decision.halt, "round": round}).encode())
             self._emit("halt", round=round, reason=decision.halt)
             return
         assert q is not None  # the round was decided (quorum): the caller wrote no halt
@@ -347,3 +432,16 @@ class Coordinator(Membership):
             if rid not in prev_q or (self._current and rid in self._current.members and rid not in q.members):
                 self._emit("excluded", replica=rid, until_round=until, exclusions=k, round=round,
                            reason="partition: repeated ring failures")
+
+    def _emit(self, name: str, **fields: Any) -> None:
+        log.warning("replica %d decided: %s %s", self.rid, name, fields)
+        if self.on_event is not None:
+            try:
+                self.on_event(name, **fields)
+            except Exception as e:  # an event log must never stop training
+                log.warning("could not record event %s: %s", name, e)
+
+    def _log_reason(self, reason: str) -> None:
+        if reason != self._last_reason:
+            self._last_reason = reason
+            log.info("replica %d: %s", self.rid, reason)

@@ -22,9 +22,10 @@ import sys
 import time
 from typing import Optional
 
-from .coordinator import Coordinator, MembershipSettings
-from .quorum import JobSpec
-from .store import EtcdStore
+from .coordinator import Coordinator
+from .membership import MembershipSettings
+from .round_records import JobSpec
+from .etcd_store import EtcdStore
 from lightning_ft.jsonlines import JsonLines
 
 

@@ -83,12 +83,8 @@ from typing import Mapping, Optional
 
 from lightning_ft.constants import Role
 from lightning_ft.coord import stragglers
-from lightning_ft.coord.round_records import (SYNC, TRAIN, Decision, Halt, History, JobSpec, Quorum, Report,
-                                              decode_round)
+from lightning_ft.coord.round_records import (SYNC, TRAIN, Decision, History, JobSpec, Quorum, Report)
 
-__all__ = ["SYNC", "TRAIN", "Decision", "Halt", "History", "JobSpec", "Quorum", "Report", "decode_round",
-           "compute_quorum", "steady_next", "must_abort", "adopt_role", "waiting_for", "fingerprint_diff",
-           "LocalView", "phase_of", "steady_eligible"]
 _NO_HISTORY = History()
 
 MAX_STEADY_STEPS = 64

@@ -160,13 +160,18 @@ class RunHold:
     """A lease-bound `launchers/{name}` key that keeps a run live. A launcher holds one for
     as long as it runs (`keepalive=True`), so the run counts as live before its replicas
     register (their slow initialization comes first). A replica leader that starts a run
-    holds one only until its `members/` key exists (`keepalive=False`: it lapses by itself)."""
+    holds one only until its `members/` key exists (`keepalive=False`: it lapses by itself).
+
+    Threads: the owner's (`hold`, `close`) and the keepalive thread (`lft-run-hold`) both
+    write the lease and the key (a lapsed lease is granted anew): under `_lock`."""
 
     def __init__(self, store: Store, ttl_s: float = 5.0, keepalive: bool = True) -> None:
         self.store, self.ttl_s = store, ttl_s
         self.by = f"{socket.gethostname()} pid {os.getpid()}"
         self._name = f"{socket.gethostname()}-{os.getpid()}"
         self._value = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "t": time.time()}).encode()
+        self._lock = threading.Lock()
+        """Guards `_lease` and `key` (and their etcd writes) between the owner and the keepalive thread."""
         self._lease = store.lease_grant(ttl_s) if keepalive else 0
         self.key = ""
         self._stop = threading.Event()
@@ -178,22 +183,24 @@ class RunHold:
     def hold(self, root: str) -> None:
         """Keep the run at `root` live (moves the key there from a run held before)."""
         key = keys.launchers(root, self._name)
-        if not self._lease:
-            self._lease = self.store.lease_grant(self.ttl_s)
-        if self.key and self.key != key:
-            self.store.delete(self.key)
-        self.key = key
-        self.store.put(key, self._value, lease=self._lease)
+        with self._lock:
+            if not self._lease:
+                self._lease = self.store.lease_grant(self.ttl_s)
+            if self.key and self.key != key:
+                self.store.delete(self.key)
+            self.key = key
+            self.store.put(key, self._value, lease=self._lease)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                try:
-                    self.store.lease_keepalive(self._lease)
-                except LeaseExpired:
-                    self._lease = self.store.lease_grant(self.ttl_s)
-                if self.key and self.store.get(self.key) is None:  # lapsed, or a restart cleared the keyspace
-                    self.store.put(self.key, self._value, lease=self._lease)
+                with self._lock:
+                    try:
+                        self.store.lease_keepalive(self._lease)
+                    except LeaseExpired:
+                        self._lease = self.store.lease_grant(self.ttl_s)
+                    if self.key and self.store.get(self.key) is None:  # lapsed, or a restart cleared the keyspace
+                        self.store.put(self.key, self._value, lease=self._lease)
             except StoreError:
                 pass  # etcd unreachable for now: the run may look ended meanwhile; retry
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from . import keys
-from .coordinator import ConfigMismatch, JobFinished
+from .membership import ConfigMismatch, JobFinished
 from .quorum import fingerprint_diff
 from .runs import RunConflict, recorded_run
 from .store import Store

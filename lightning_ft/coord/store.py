@@ -1,8 +1,9 @@
 """The coordination store: one small key-value contract, two implementations (docs/ARCHITECTURE.md, "Keyspace").
 
-`EtcdStore` (etcd_store.py) talks to a real etcd v3 cluster through etcd-sdk-python's gRPC
-stubs, failing over between members; `store_from_config(cfg.etcd)` (etcd_config.py) builds one
-from a job's config. `MemoryStore` is an in-process stand-in for unit tests. Both pass the same contract tests
+`EtcdStore` (etcd_store.py; import it from there: gRPC is loaded only by who uses it) talks
+to a real etcd v3 cluster through etcd-sdk-python's gRPC stubs, failing over between members;
+`store_from_config(cfg.etcd)` (etcd_config.py) builds one from a job's config. `MemoryStore` is
+an in-process stand-in for unit tests. Both pass the same contract tests
 (tests/coord/test_store.py), so code written against `Store` behaves the same on either.
 
 Keys and values are `str` and `bytes`. Every mutation returns the store revision after it,
@@ -318,18 +319,3 @@ class MemoryStore(Store):
 
     def close(self) -> None:
         self._closed.set()
-
-
-def __getattr__(name: str):
-    # EtcdStore and store_from_config live in etcd_store.py / etcd_config.py (gRPC is imported
-    # only when they are used);
-    # `from lightning_ft.coord.store import EtcdStore` keeps working.
-    if name == "EtcdStore":
-        from .etcd_store import EtcdStore
-
-        return EtcdStore
-    if name == "store_from_config":
-        from .etcd_config import store_from_config
-
-        return store_from_config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

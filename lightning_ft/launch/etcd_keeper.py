@@ -29,7 +29,12 @@ PROBE_INTERVAL_S = 2.0
 
 
 class EtcdKeeper:
-    """Owns the job's etcd connection for one launcher; `tick()` from the supervision loop."""
+    """Owns the job's etcd connection for one launcher; `tick()` from the supervision loop.
+
+    Threads: the launcher's main thread (start, tick, close); the probe thread
+    (`lft-etcd-probe`) writes only `_last_ok` (a float replaced whole; tick reads it); the heal
+    thread (`lft-etcd-heal`) writes only `_heal_failure` (a string set once; `lost` reads it)
+    and the cluster's members, under `_heal_lock`, which close() takes to end it."""
 
     def __init__(self, cfg: Any, say: Callable[[str], None] = print) -> None:
         self.cfg = cfg.etcd
@@ -43,9 +48,17 @@ class EtcdKeeper:
         self._thread: Optional[threading.Thread] = None
         self._healer: Optional[threading.Thread] = None
         self._heal_lock = threading.Lock()
+        """Held by the heal thread for each pass, and by close(): no heal runs once it closed."""
         self._closing = False
-        self.lost: Optional[str] = None
+        self._outage: Optional[str] = None
+        """etcd unreachable too long (the main thread's `tick` writes it)."""
+        self._heal_failure: Optional[str] = None
+        """An embedded member in a crash loop (the heal thread writes it)."""
+
+    @property
+    def lost(self) -> Optional[str]:
         """Why the job must stop (etcd unreachable too long, a member in a crash loop), or None."""
+        return self._heal_failure or self._outage
 
     @property
     def embedded(self) -> bool:
@@ -105,7 +118,7 @@ class EtcdKeeper:
                     for i, code in c.heal_dead():
                         self._say(f"lightning-ft: etcd member {c.servers[i].name} exited (code {code}); {how}")
                 except RuntimeError as e:
-                    self.lost = str(e)
+                    self._heal_failure = str(e)
                     return
 
     def tick(self) -> bool:
@@ -116,8 +129,8 @@ class EtcdKeeper:
         down = time.monotonic() - self._last_ok
         limit = float(self.cfg.connect_timeout_s) + 1.0
         if down > limit:
-            self.lost = (f"etcd at {self.endpoint} has been unreachable for {down:.1f}s, longer than "
-                         f"etcd.connect_timeout_s={float(self.cfg.connect_timeout_s):g}")
+            self._outage = (f"etcd at {self.endpoint} has been unreachable for {down:.1f}s, longer than "
+                            f"etcd.connect_timeout_s={float(self.cfg.connect_timeout_s):g}")
         return self.lost is not None
 
     def lost_message(self, checkpoint_root: str, run_dir: str) -> str:

@@ -1,62 +1,100 @@
-"""The supervisor's process layer (launch/supervisor.py): starting a replica's W processes (each
-in its own session, cleaned up by PID; through the zygote when it can), their environment,
-signalling and reaping them, the status rows, and shutdown."""
+"""The processes of the replicas and spares one supervisor owns (launch/supervisor.py):
+starting a replica's W processes (each in its own session, cleaned up by PID; forked by the
+zygote when it can), their environment, signalling and reaping them.
+
+Threads: owned by the supervision loop. Only its thread starts, signals or reaps processes,
+and holds the pidfds; a hang-diagnosis thread gets the pids it reads as a snapshot."""
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shlex
 import signal
 import subprocess
-import threading
 import time
-from typing import Any, Callable
+from typing import Any, Iterable, Optional
 
 from lightning_ft.coord.etcd_server import free_port
-from lightning_ft.launch.zygote import Proc, ZygoteProc
-
-from lightning_ft.launch.records import _Replica
-from lightning_ft.launch.supervisor_base import TERM_GRACE_S, SupervisorBase, _peek, _signal, _wait
+from lightning_ft.launch.event_log import EventLog
+from lightning_ft.launch.records import ReplicaRecord
+from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
+from lightning_ft.launch.zygote import Proc, Zygote, ZygoteProc, default_preload, python_target
 
 log = logging.getLogger(__name__)
 
+TERM_GRACE_S = 3.0
+"""shutdown() waits this long after SIGTERM before it SIGKILLs what is left."""
+REAP_TIMEOUT_S = 5.0
+"""Bound on waiting for a SIGKILLed process to be reaped."""
+ZYGOTE_FIRST_WAIT_S = 90.0
+"""How long the start waits for the zygote's imports before it starts the replicas as new
+processes (a loaded 2-core host took 15-100 s to import torch and Lightning; unloaded, 5 s)."""
 
-class Processes(SupervisorBase):
-    """A replica's processes (over the base)."""
 
-    def _launch(self, rep: _Replica) -> None:
-        port = self._free_port()
-        for p in rep.procs:  # the previous incarnation's: reaped
-            fd = self._pidfds.pop(p.pid, None)
-            if fd is not None:
-                os.close(fd)
+class Processes:
+    """Starts, signals and reaps the processes of the replicas of `place` running `cmd`."""
+
+    def __init__(self, cmd: list[str], place: Placement, settings: SupervisorSettings, events: EventLog) -> None:
+        self.cmd = list(cmd)
+        self._place, self._settings, self._events = place, settings, events
+        self.run_id = ""
+        """The run the processes belong to (LFT_RUN_ID; set once the run is open)."""
+        self.extra_env = dict(place.env)
+        """Added to every process's environment; a world restart changes LFT_RESUME."""
+        self.zygote_wanted = settings.zygote and not place.wrap and python_target(cmd) is not None
+        self.zygote: Optional[Zygote] = None
+        self.stragglers: list[Proc] = []
+        """SIGKILLed processes that were not reaped within REAP_TIMEOUT_S; shutdown() retries them."""
+        self._pidfds: dict[int, int] = {}
+        """pid -> pidfd of our children (readable once the process exited)."""
+
+    # -- starting --------------------------------------------------------------------------------
+    def start_zygote(self) -> None:
+        """Start the zygote and wait until it imported torch (and Lightning, when the script
+        imports it), at most `ZYGOTE_FIRST_WAIT_S`: the replicas are then forked from it, so the
+        job imports once instead of once per process (a 3-replica job here: 5 s of CPU instead
+        of 16). A zygote that fails, or is not ready in time, leaves the replicas to start as
+        plain processes; restarts use it once it is ready."""
+        try:
+            self.zygote = Zygote(default_preload(python_target(self.cmd)), env={**os.environ, **self.extra_env},
+                                 log_path=os.path.join(self._place.run_dir, "logs", "zygote.log"))
+        except OSError as e:
+            log.warning("cannot start the zygote (replicas start Python afresh): %s", e)
+            return
+        deadline = time.monotonic() + ZYGOTE_FIRST_WAIT_S
+        while not self.zygote.ready.wait(0.1) and not self.zygote.failed and self.zygote.proc.poll() is None:
+            if time.monotonic() > deadline:
+                log.warning("the zygote did not import within %.0f s: the replicas start as new processes",
+                            ZYGOTE_FIRST_WAIT_S)
+                return
+
+    def launch(self, rep: ReplicaRecord, port: int) -> None:
+        """Start replica `rep`'s current incarnation on `port` (MASTER_PORT)."""
+        self.untrack(rep.procs)  # the previous incarnation's: reaped
         rep.procs = []
-        rep.host = self._wrap.format(rid=rep.rid) if self._wrap else ""
+        rep.host = self._place.wrap.format(rid=rep.rid) if self._place.wrap else ""
         for rank in range(rep.spec.nproc):
-            path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
+            path = os.path.join(self._place.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
             try:
-                rep.procs.append(self._start_process(self._env(rep, rank, port), path, rep.host))
+                rep.procs.append(self.start_process(self.env(rep, rank, port), path, rep.host))
             except OSError as e:
-                for p in rep.procs:
-                    _signal(p, signal.SIGKILL)
-                    _wait(p)
+                self.kill(rep.procs)
                 raise RuntimeError(f"cannot start replica {rep.rid} rank {rank} ({self.cmd[0]!r}): {e}. "
                                    "Check the command and that the run directory is writable.") from e
-        self._running(rep, port)
+        self.running(rep, port)
 
-    def _start_process(self, env: dict[str, str], log_path: str, host: str) -> Proc:
+    def start_process(self, env: dict[str, str], log_path: str, host: str) -> Proc:
         """One process of the command with `env`, its output appended to `log_path`: forked by the
         zygote when there is one and it is ready (never under a per-replica `host` wrap), else a
         new process in its own session (through `host`'s wrap, if any)."""
         with open(log_path, "ab") as out:
-            forked = (self._zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno())
-                      if self._zygote is not None and not host else None)
+            forked = (self.zygote.spawn(self.cmd, env, os.getcwd(), out.fileno(), out.fileno())
+                      if self.zygote is not None and not host else None)
             cmd = shlex.split(host) + self.cmd if host else self.cmd
             return forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def _running(self, rep: _Replica, port: int, **more: Any) -> None:
+    def running(self, rep: ReplicaRecord, port: int, **more: Any) -> None:
         """Bookkeeping of a replica whose processes (`rep.procs`) were just started or promoted."""
         for p in rep.procs:
             if isinstance(p, ZygoteProc):  # not our child: readable once the zygote reported its exit
@@ -64,7 +102,7 @@ class Processes(SupervisorBase):
                 continue
             try:
                 self._pidfds[p.pid] = os.pidfd_open(p.pid)
-            except (AttributeError, OSError):  # no pidfds here: run() polls
+            except (AttributeError, OSError):  # no pidfds here: the loop polls
                 pass
         details: dict[str, Any] = {"pids": [p.pid for p in rep.procs], "master_port": port, **more}
         forked_by = {p.zygote_pid for p in rep.procs if isinstance(p, ZygoteProc)}
@@ -83,124 +121,112 @@ class Processes(SupervisorBase):
         rep.restart_step = None
         rep.first_step, rep.progressed = None, False
         if rep.incarnation == 0:
-            self._event(rep, "start", **details)
+            self._events.replica(rep.rid, rep.incarnation, "start", **details)
         else:
-            self._event(rep, "restart", restarts=rep.restarts,
-                        down_s=round(time.monotonic() - rep.failed_at, 3), **details)
+            self._events.replica(rep.rid, rep.incarnation, "restart", restarts=rep.restarts,
+                                 down_s=round(time.monotonic() - rep.failed_at, 3), **details)
 
-    def _env(self, rep: _Replica, rank: int, port: int, spare: str = "") -> dict[str, str]:
+    def env(self, rep: ReplicaRecord, rank: int, port: int, spare: str = "") -> dict[str, str]:
         """A replica's process environment, or (`spare`) a warm spare's: its token instead of the
         replica id and incarnation, which it learns when promoted."""
+        place = self._place
         nproc = str(rep.spec.nproc)
-        extra = dict(self._extra_env)
+        extra = dict(self.extra_env)
         if spare:  # a spare is always a later process: it catches up, it never resumes
-            env = self._env(rep, rank, port)
+            env = self.env(rep, rank, port)
             for name in ("LFT_REPLICA_ID", "LFT_INCARNATION", "LFT_RESUME"):
                 env.pop(name, None)
             return {**env, "LFT_STANDBY": spare}
-        if self.restart_mode == "replica" and rep.restarts > 0:
+        if self._settings.restart == "replica" and rep.restarts > 0:
             # The resume checkpoint is for the job's first processes: a replica restarted later
             # catches up from the live ones (or a rewind loads a published checkpoint), and the
             # resume checkpoint may have been pruned meanwhile (the soak found it).
             extra.pop("LFT_RESUME", None)
         return {**os.environ, **extra,
-                "LFT_JOB": self.job, "LFT_REPLICA_ID": str(rep.rid), "LFT_NUM_REPLICAS": str(self.replicas),
-                "LFT_ETCD": self.etcd, "LFT_SECRET": self._secret, "LFT_INCARNATION": str(rep.incarnation),
+                "LFT_JOB": place.job, "LFT_REPLICA_ID": str(rep.rid), "LFT_NUM_REPLICAS": str(place.replicas),
+                "LFT_ETCD": place.etcd, "LFT_SECRET": place.secret, "LFT_INCARNATION": str(rep.incarnation),
                 "LFT_RUN_ID": self.run_id,
-                "LFT_RUN_DIR": self.run_dir, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "LFT_RUN_DIR": place.run_dir, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc,
                 "LFT_SPAWN_T": repr(time.time())}  # the restart breakdown's zero (replica/startup.py)
 
-    def _free_port(self) -> int:
-        """A free loopback port not already handed to one of our running replicas."""
-        used = {rep.port for rep in self._replicas.values() if rep.state == "running"}
-        used |= {sp.port for sp in self._spares.values()}
+    @staticmethod
+    def free_port(used: set[int]) -> int:
+        """A free loopback port not in `used` (the ports of our running replicas and spares)."""
         while True:
             port = free_port()
             if port not in used:
                 return port
 
-    def kill_replica(self, rid: int, sig: int = signal.SIGKILL, reason: str = "") -> None:
-        """Send `sig` to every live process of replica `rid`. The next poll() handles the exits
-        as a failure (evict, restart); `reason` is added to the eviction reason."""
-        with self._lock:
-            rep = self._replica(rid)
-            rep.kill_reason = reason
-            for p in rep.procs:
-                _signal(p, sig)
-
-    def status(self) -> list[dict[str, Any]]:
-        """Per replica: rid, incarnation, state ("running", "restarting", "done", "failed" or, after
-        shutdown, "stopped"), pids (of live processes), restarts, step (last reported), last_event,
-        compute_ms (its reported compute per step) and compute_ratio (over the median of the other
-        running replicas'; a straggler's is >= stragglers.threshold)."""
-        from lightning_ft.coord.stragglers import ratios
-
-        with self._lock:
-            slow = ratios({rep.rid: rep.compute_ms for rep in self._replicas.values() if rep.state == "running"})
-            return [{"rid": rep.rid, "incarnation": rep.incarnation, "state": rep.state,
-                     "pids": [p.pid for p in rep.procs if _peek(p) is None], "restarts": rep.restarts,
-                     "step": rep.step, "last_event": rep.last_event,
-                     "compute_ms": rep.compute_ms if rep.compute_ms > 0 else None, "compute_ratio": slow.get(rep.rid)}
-                    for rep in self._replicas.values()]
-
-    def shutdown(self) -> None:
-        """SIGTERM every child, SIGKILL what is left after TERM_GRACE_S, evict the replicas that
-        were running. Idempotent; runs at interpreter exit too."""
-        with self._lock:
-            if self._shut_down:
-                return
-            self._shut_down = True
-            atexit.unregister(self.shutdown)
-            running = [rep for rep in self._replicas.values() if rep.state == "running"]
-            live = [p for rep in running for p in rep.procs if p.returncode is None] + self._stragglers
-            live += [p for sp in self._spares.values() for p in sp.procs if p.returncode is None]
-            self._spares.clear()
-            for p in live:
-                _signal(p, signal.SIGTERM)
-            deadline = time.monotonic() + TERM_GRACE_S
-            while time.monotonic() < deadline and any(_peek(p) is None for p in live):
-                time.sleep(0.02)
-            for p in live:
-                _signal(p, signal.SIGKILL)  # the exited ones too: this reaches what is left of their groups
-                _wait(p)
-            reachable = True
-            for rep in running:
-                reachable = reachable and self._evict(rep, "supervisor shut down")  # one timeout at most
-                self._event(rep, "shutdown", pids=[p.pid for p in rep.procs])
-                rep.state = "stopped"
-            for rep in self._replicas.values():
-                if rep.state == "restarting":
-                    rep.state = "stopped"
-            self._events.close()
-            if self._cancel_members is not None:
-                self._cancel_members()
-                self._cancel_members = None
-            for fd in self._pidfds.values():
+    # -- exits -----------------------------------------------------------------------------------
+    def untrack(self, procs: Iterable[Proc]) -> None:
+        """Forget the pidfds of `procs` (an incarnation that was replaced: reaped)."""
+        for p in procs:
+            fd = self._pidfds.pop(p.pid, None)
+            if fd is not None:
                 os.close(fd)
-            self._pidfds.clear()
-            if self._zygote is not None:
-                self._zygote.close()
-            # the wake pipe stays open: a late signal or watch callback may still write to it,
-            # and a closed descriptor's number may by then belong to some other file
-            if self._hold is not None:
-                self._hold.close()
-            if self._own_store:
-                self._store.close()
 
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        """SIGINT/SIGTERM make run() shut down; returns a function restoring the old handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
+    def exit_fds(self, procs: Iterable[Proc]) -> list[int]:
+        """The descriptors that turn readable when one of the live `procs` exits."""
+        return [fd for p in procs if (fd := self._pidfds.get(p.pid)) is not None and peek(p) is None]
 
-        def on_signal(signum: int, frame: Any) -> None:
-            self._signalled = signum
-            self._notify()
+    def all_watched(self, procs: Iterable[Proc]) -> bool:
+        """Whether every live process of `procs` has a pidfd (else the loop must poll)."""
+        return all(p.pid in self._pidfds for p in procs if p.returncode is None)
 
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def kill(self, procs: list[Proc]) -> None:
+        """SIGKILL `procs` (their process groups), and reap them; the ones not reaped within
+        REAP_TIMEOUT_S are kept as stragglers (shutdown tries again)."""
+        for p in procs:
+            signal_group(p, signal.SIGKILL)  # the exited ones too: this reaches what is left of their groups
+        self.reap(procs)
 
-        def restore() -> None:
-            for s, handler in old.items():
-                signal.signal(s, handler)
+    def reap(self, procs: list[Proc]) -> None:
+        """Reap `procs` (signalled already); the ones still there are kept as stragglers."""
+        for p in procs:
+            if not reap(p):
+                self.stragglers.append(p)
 
-        return restore
+    def close(self) -> None:
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+        if self.zygote is not None:
+            self.zygote.close()
+
+
+def signal_group(p: Proc, sig: int) -> None:
+    """Signal the process group of `p` (its own: it was started in a new session), or `p` alone
+    if it left that group. Only while `p` is unreaped, so its PID cannot belong to someone else."""
+    if p.returncode is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def peek(p: Proc) -> Optional[int]:
+    """The exit code of `p` (-N for signal N), or None while it runs, without reaping it."""
+    if p.returncode is not None:
+        return p.returncode
+    try:
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere (Popen.wait), or the zygote's child: let p report it
+        return p.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def reap(p: Proc) -> bool:
+    """Reap `p` within REAP_TIMEOUT_S; False if it is still there."""
+    try:
+        p.wait(REAP_TIMEOUT_S)
+        return True
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d did not exit within %.0fs of SIGKILL", p.pid, REAP_TIMEOUT_S)
+        return False

@@ -1,9 +1,10 @@
-"""What the supervisor knows of each replica and spare it owns (launch/supervisor.py)."""
+"""What the supervisor knows of each replica and spare it owns (launch/supervisor.py). The
+supervision loop owns these records: only its thread writes them (docs/ARCHITECTURE.md, "Threads")."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 from lightning_ft.launch.zygote import Proc
 
@@ -17,7 +18,7 @@ class ReplicaSpec:
 
 
 @dataclass
-class _Replica:
+class ReplicaRecord:
     """Supervision state of one replica."""
 
     spec: ReplicaSpec
@@ -31,7 +32,6 @@ class _Replica:
     port: int = 0
     """MASTER_PORT of the current incarnation."""
     restarts: int = 0
-    last_event: str = ""
     step: Optional[int] = None
     """The last step its leader reported in `members/{rid}` (hang_check only)."""
     compute_ms: float = -1.0
@@ -57,7 +57,8 @@ class _Replica:
     """Exit code of the last failure that came before any commit (crash-loop detection)."""
     crash_streak: int = 0
     diagnosis: Optional[threading.Thread] = None
-    """The hang diagnosis running since its member key vanished (`_diagnose_hang`)."""
+    """The hang diagnosis running since its member key vanished (launch/diagnosis.py); the
+    loop only starts and joins it: the thread reads none of this record."""
     host: str = ""
     """Where its processes run: the command prefix they were started with (`wrap`), "" without one;
     a promoted spare's replica runs where the spare ran."""
@@ -71,7 +72,7 @@ class _Replica:
 
 
 @dataclass
-class _Spare:
+class SpareRecord:
     """A warm spare this supervisor started (coord/standby.py)."""
 
     token: str
@@ -81,3 +82,8 @@ class _Spare:
     """Where it runs: the command prefix it was started with (`wrap`), "" without one."""
     registered: bool = False
     """Its standby/ key was seen in etcd."""
+
+
+def ports_in_use(replicas: Iterable[ReplicaRecord], spares: Iterable[SpareRecord]) -> set[int]:
+    """MASTER_PORTs handed to running replicas and to live spares (a new one must differ)."""
+    return {rep.port for rep in replicas if rep.state == "running"} | {sp.port for sp in spares}

@@ -9,7 +9,7 @@ it implicitly, and is cleaned up by PID (its process group, which holds its own 
 A replica fails when one of its processes exits non-zero or by a signal, or when it hangs:
 its leader's `members/{rid}` key ("Keyspace") existed for the current incarnation and then
 vanished (lease expired) while the leader process still runs. From the moment the key vanished it
-says where the replica hangs (`_diagnose_hang`: a `hang` event with the rank, the FTAR link and
+says where the replica hangs (launch/diagnosis.py: a `hang` event with the rank, the FTAR link and
 the stack; docs/ARCHITECTURE.md, "Hang diagnosis"). Then the supervisor
 
 1. SIGKILLs the rest of the replica,
@@ -25,56 +25,132 @@ With `standby` = N it also keeps N warm spares (coord/standby.py; docs/ARCHITECT
 etcd. A restart takes a registered spare when there is one (at once: the spare is past its
 start-up, so there is no crash loop to pace) and starts a new spare in its place; a cold
 start is the fallback. A spare that exits while waiting is replaced, unless spares keep dying
-before they register (`SPARE_FAILURES` in a row: the program cannot be a spare).
+before they register (`spares.SPARE_FAILURES` in a row: the program cannot be a spare).
 
 Every event is one JSON line in `{run_dir}/events.jsonl`; each process logs to
 `{run_dir}/logs/r{rid}.i{inc}.rank{rank}.log` (a spare to `spare-{token}.rank{rank}.log`; once
 promoted, `r{rid}.i{inc}.rank{rank}.log` links to it, and the `restart` event names it).
 
-The supervisor is built in layers, each a class over the one below and calling only down (mypy
-checks it): supervisor_base.py (the replicas' records, the run, what etcd says: members,
-reports, halts, the job's step; the event log) -> processes.py (starting, signalling and
-reaping a replica's processes, shutdown) -> spares.py (warm spares) -> this module (the loop:
-watching, obeying launch/policy.py's decisions, failures, restarts, world restarts, halts).
+The supervisor is composed of parts, one concept each (none inherits from another); this
+module is the loop that obeys launch/policy.py's decisions for running replicas:
+records.py (what it knows of each replica and spare), run_view.py (the run in etcd: members,
+reports, halts, the job's step, evictions), event_log.py (events.jsonl), processes.py
+(start, signal, reap), spares.py (warm spares), restarts.py (failures, restarts, world
+restarts, halts), diagnosis.py (the hang diagnosis thread), waker.py (how the loop sleeps).
+Which thread owns what: docs/ARCHITECTURE.md, "Threads".
 """
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning_ft.constants import ExitCode
-from lightning_ft.coord.hang import culprit_rank, diagnose
-from lightning_ft.coord.store import StoreError
-from lightning_ft.launch import policy
-from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, STOPPED, dump_stack, process_state
-from lightning_ft.launch.zygote import Proc, Zygote, default_preload, python_target
-
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import Store
+from lightning_ft.launch import diagnosis, policy
+from lightning_ft.launch.event_log import EventLog
+from lightning_ft.launch.processes import TERM_GRACE_S, Processes, peek, reap, signal_group
+from lightning_ft.launch.records import ReplicaRecord, ReplicaSpec
+from lightning_ft.launch.restarts import HALT_GRACE_S, Restarts
+from lightning_ft.launch.run_view import RunView
 from lightning_ft.launch.spares import Spares
-from lightning_ft.launch.records import ReplicaSpec, _Replica
-from lightning_ft.launch.supervisor_base import (HALT_GRACE_S, IDLE_WAKE_S, REAP_TIMEOUT_S, SPARE_FAILURES,
-                                                 STALL_MAX_AGE_S, TERM_GRACE_S, _peek, _signal, _wait)
-from lightning_ft.launch.supervisor_settings import RESUME_LIVE_WAIT_S, Placement, SupervisorSettings
-
-__all__ = ["HALT_GRACE_S", "IDLE_WAKE_S", "REAP_TIMEOUT_S", "RESUME_LIVE_WAIT_S", "SPARE_FAILURES", "STALL_MAX_AGE_S",
-           "TERM_GRACE_S", "Placement", "ReplicaSpec", "Supervisor", "SupervisorSettings"]
+from lightning_ft.launch.stacks import DUMP_TIMEOUT_S, STOPPED, dump_stack, process_state
+from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
+from lightning_ft.launch.waker import Waker
 
 log = logging.getLogger(__name__)
 
-ZYGOTE_FIRST_WAIT_S = 90.0
-"""How long the start waits for the zygote's imports before it starts the replicas as new
-processes (a loaded 2-core host took 15-100 s to import torch and Lightning; unloaded, 5 s)."""
+IDLE_WAKE_S = 1.0
+"""run() wakes at least this often with nothing due (its `until`, e.g. etcd's health)."""
 EXIT_DUMP_TIMEOUT_S = 2.0
 """A replica hung on exit: each live rank's stack is read (py-spy) for this long at most before the kill."""
 
 
-class Supervisor(Spares):
-    """Starts, watches and restarts the replicas `replica_ids` (default: all `replicas`) of one job."""
+class Supervisor:
+    """Starts, watches and restarts the replicas `replica_ids` (default: all `replicas`) of one job.
+
+    Threads: the supervision loop is the thread that calls `start`, `poll`/`run` and
+    `shutdown`; it owns the records and every part. It holds `_lock` for each of them;
+    `status`, `kill_replica` and `set_downtime`, which other threads may call (a status
+    table, a test), take it too. Other threads reach the loop only through the waker
+    (`_signalled` is written by the signal handler, on the main thread)."""
+
+    def __init__(self, cmd: list[str], place: Placement, settings: Optional[SupervisorSettings] = None, *,
+                 store: Store | None = None) -> None:
+        """Run `cmd` as the replicas of `place`, supervised by `settings` (launch/supervisor_settings.py);
+        `store`: an open etcd client (default: one to `place.etcd`).
+
+        The job's run (coord/runs.py) is opened by `start`: a launcher joins the run another
+        launcher of the job (same job id and secret) is running, or starts a new one."""
+        st = settings or SupervisorSettings()
+        self.place, self.settings = place, st
+        ids = list(range(place.replicas)) if place.replica_ids is None else list(place.replica_ids)
+        bad = [r for r in ids if not 0 <= r < place.replicas]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"replica_ids {ids} must be distinct and between 0 and replicas - 1 "
+                             f"({place.replicas - 1})")
+        if place.nproc_per_replica < 1:
+            raise ValueError(f"nproc_per_replica={place.nproc_per_replica} must be >= 1")
+        self._lock = threading.RLock()
+        """Held by the loop for each pass, by start() and shutdown(); other threads' calls take it."""
+        self._replicas = {rid: ReplicaRecord(ReplicaSpec(rid, place.nproc_per_replica)) for rid in ids}
+        self._limits = policy.Limits(start_timeout_s=st.start_timeout_s, hang_grace_s=st.hang_grace_s,
+                                     exit_timeout_s=st.exit_timeout_s, crash_loop=st.crash_loop,
+                                     max_restarts=st.max_restarts)
+        self._waker = Waker()
+        self._view = RunView(store if store is not None else EtcdStore(place.etcd), place, st,
+                             own_store=store is None, on_change=self._waker.notify)
+        os.makedirs(os.path.join(place.run_dir, "logs"), exist_ok=True)
+        self._events = EventLog(os.path.join(place.run_dir, "events.jsonl"))
+        self._procs = Processes(cmd, place, st, self._events)
+        self._spares = Spares(st.standby, self._replicas, self._procs, self._view, self._events,
+                              run_dir=place.run_dir, wrap=place.wrap)
+        self._restarts = Restarts(self._replicas, place, st, self._limits,
+                                  (self._procs, self._spares, self._view, self._events))
+        self._started = False
+        self._shut_down = False
+        self._signalled: Optional[int] = None
+
+    # -- what callers read -----------------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        """The keyspace of this launcher's run (known once started)."""
+        return self._view.root
+
+    @property
+    def run_id(self) -> str:
+        """The run this launcher belongs to (set by `start`)."""
+        return self._view.run_id
+
+    @property
+    def run_reason(self) -> str:
+        """What `start` decided about the run, in words."""
+        return self._view.reason
+
+    @property
+    def etcd(self) -> str:
+        return self.place.etcd
+
+    @property
+    def run_dir(self) -> str:
+        return self.place.run_dir
+
+    @property
+    def halted(self) -> str:
+        """Why the job halted (from etcd), or ""."""
+        return self._restarts.halted
+
+    @property
+    def stopped(self) -> str:
+        """Why the supervisor stopped the job itself (too few replicas left), or ""."""
+        return self._restarts.stopped
 
     # -- public API ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,40 +158,23 @@ class Supervisor(Spares):
         with self._lock:
             if self._started or self._shut_down:
                 raise RuntimeError("this Supervisor was already started; create a new one to start the job again")
-            self._open_run()
-            self._watch_members()
+            self._view.open()
+            self._procs.run_id = self._view.run_id
+            self._view.watch_members()
             atexit.register(self.shutdown)
             self._started = True
-            if self._zygote_wanted:  # first: every replica and spare is forked from it once it imported
-                self._start_zygote()
+            if self._procs.zygote_wanted:  # first: every replica and spare is forked from it once it imported
+                self._procs.start_zygote()
             for rep in self._replicas.values():
-                self._launch(rep)
-            self._top_up_spares()
-
-    def _start_zygote(self) -> None:
-        """Start the zygote and wait until it imported torch (and Lightning, when the script
-        imports it), at most `ZYGOTE_FIRST_WAIT_S`: the replicas are then forked from it, so the
-        job imports once instead of once per process (a 3-replica job here: 5 s of CPU instead
-        of 16). A zygote that fails, or is not ready in time, leaves the replicas to start as
-        plain processes; restarts use it once it is ready."""
-        try:
-            self._zygote = Zygote(default_preload(python_target(self.cmd)), env={**os.environ, **self._extra_env},
-                                  log_path=os.path.join(self.run_dir, "logs", "zygote.log"))
-        except OSError as e:
-            log.warning("cannot start the zygote (replicas start Python afresh): %s", e)
-            return
-        deadline = time.monotonic() + ZYGOTE_FIRST_WAIT_S
-        while not self._zygote.ready.wait(0.1) and not self._zygote.failed and self._zygote.proc.poll() is None:
-            if time.monotonic() > deadline:
-                log.warning("the zygote did not import within %.0f s: the replicas start as new processes",
-                            ZYGOTE_FIRST_WAIT_S)
-                return
+                self._restarts.start(rep)
+            self._spares.top_up()
 
     def set_downtime(self, rid: int, steps: int) -> None:
         """From now on, after a failure keep replica `rid` down until the job advances `steps`
         steps (instead of restarting after restart_delay_s); 0 restores the delay."""
-        self._replica(rid)
-        self._downtime[rid] = steps
+        with self._lock:
+            self._replica(rid)
+            self._restarts.downtime[rid] = steps
 
     def poll(self) -> None:
         """One supervision pass: reap exits, detect hangs, restart due replicas. Does not wait
@@ -124,8 +183,8 @@ class Supervisor(Spares):
             if self._shut_down:
                 return
             self._watch()
-            self._reap_spares()
-            self._restart_due()
+            self._spares.reap(stopped=bool(self.halted))
+            self._restarts.due()
 
     def run(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None,
             poll_s: float = 0.05) -> int:
@@ -144,7 +203,7 @@ class Supervisor(Spares):
                     return 128 + self._signalled
                 states = {rep.state for rep in self._replicas.values()}
                 if states <= {"done", "failed", "stopped"}:
-                    self._stop_spares("the job ended")
+                    self._spares.stop("the job ended")
                     if self.halted:
                         return ExitCode.HALTED
                     return 0 if states == {"done"} else ExitCode.GAVE_UP
@@ -156,58 +215,122 @@ class Supervisor(Spares):
         finally:
             restore()
 
+    def kill_replica(self, rid: int, sig: int = signal.SIGKILL, reason: str = "") -> None:
+        """Send `sig` to every live process of replica `rid`. The next poll() handles the exits
+        as a failure (evict, restart); `reason` is added to the eviction reason."""
+        with self._lock:
+            rep = self._replica(rid)
+            rep.kill_reason = reason
+            for p in rep.procs:
+                signal_group(p, sig)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per replica: rid, incarnation, state ("running", "restarting", "done", "failed" or, after
+        shutdown, "stopped"), pids (of live processes), restarts, step (last reported), last_event,
+        compute_ms (its reported compute per step) and compute_ratio (over the median of the other
+        running replicas'; a straggler's is >= stragglers.threshold)."""
+        from lightning_ft.coord.stragglers import ratios
+
+        with self._lock:
+            slow = ratios({rep.rid: rep.compute_ms for rep in self._replicas.values() if rep.state == "running"})
+            return [{"rid": rep.rid, "incarnation": rep.incarnation, "state": rep.state,
+                     "pids": [p.pid for p in rep.procs if peek(p) is None], "restarts": rep.restarts,
+                     "step": rep.step, "last_event": self._events.last(rep.rid),
+                     "compute_ms": rep.compute_ms if rep.compute_ms > 0 else None, "compute_ratio": slow.get(rep.rid)}
+                    for rep in self._replicas.values()]
+
+    def shutdown(self) -> None:
+        """SIGTERM every child, SIGKILL what is left after TERM_GRACE_S, evict the replicas that
+        were running. Idempotent; runs at interpreter exit too."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            atexit.unregister(self.shutdown)
+            running = [rep for rep in self._replicas.values() if rep.state == "running"]
+            live = [p for rep in running for p in rep.procs if p.returncode is None] + self._procs.stragglers
+            live += self._spares.forget()
+            for p in live:
+                signal_group(p, signal.SIGTERM)
+            deadline = time.monotonic() + TERM_GRACE_S
+            while time.monotonic() < deadline and any(peek(p) is None for p in live):
+                time.sleep(0.02)
+            for p in live:
+                signal_group(p, signal.SIGKILL)  # the exited ones too: this reaches what is left of their groups
+                reap(p)
+            reachable = True
+            for rep in running:
+                reachable = reachable and self._view.evict(rep.rid, rep.incarnation, "supervisor shut down")
+                self._events.replica(rep.rid, rep.incarnation, "shutdown", pids=[p.pid for p in rep.procs])
+                rep.state = "stopped"
+            for rep in self._replicas.values():
+                if rep.state == "restarting":
+                    rep.state = "stopped"
+            self._events.close()
+            self._view.stop_watch()
+            self._procs.close()
+            self._view.close()
+
+    # -- sleeping --------------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        """SIGINT/SIGTERM make run() shut down; returns a function restoring the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum: int, frame: Any) -> None:
+            self._signalled = signum
+            self._waker.notify()
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore() -> None:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+        return restore
+
     def _next_wake_s(self, deadline: Optional[float], poll_s: float) -> float:
         """Seconds until something may be due without an event announcing it: a restart, a hang
         grace, a start or exit timeout, the halt grace, the run's deadline; at most IDLE_WAKE_S
         (run()'s `until`, etcd's health), at least poll_s. Without pidfds (no way to sleep on a
         child's exit) or the member watch, poll_s."""
+        st = self.settings
         with self._lock:
-            if self._members is None or any(p.pid not in self._pidfds for rep in self._replicas.values()
-                                            if rep.state == "running" for p in rep.procs if p.returncode is None):
+            if not self._view.watching or not self._procs.all_watched(
+                    p for rep in self._replicas.values() if rep.state == "running" for p in rep.procs):
                 return poll_s
             due = [IDLE_WAKE_S + time.monotonic()]
             if deadline is not None:
                 due.append(deadline)
             if self.halted:
-                due.append(self._halted_at + HALT_GRACE_S)
+                due.append(self._restarts.halted_at + HALT_GRACE_S)
             for rep in self._replicas.values():
                 if rep.state == "restarting" and rep.restart_step is None:
                     due.append(rep.restart_at)
                 elif rep.state == "restarting":
                     due.append(time.monotonic() + 1.0)  # downtime: the job's step is read from etcd
                 elif rep.state == "running":
-                    if not rep.member_seen and self.start_timeout_s > 0:
-                        due.append(rep.started_at + self.start_timeout_s)
+                    if not rep.member_seen and st.start_timeout_s > 0:
+                        due.append(rep.started_at + st.start_timeout_s)
                     if rep.missing_since is not None:
-                        due.append(rep.missing_since + self.hang_grace_s)
-                    if rep.leaving_since is not None and self.exit_timeout_s > 0:
-                        due.append(rep.leaving_since + self.exit_timeout_s)
+                        due.append(rep.missing_since + st.hang_grace_s)
+                    if rep.leaving_since is not None and st.exit_timeout_s > 0:
+                        due.append(rep.leaving_since + st.exit_timeout_s)
         return max(poll_s, min(due) - time.monotonic())
 
     def _sleep(self, timeout_s: float) -> None:
         """Sleep up to `timeout_s`, waking at once when a child exits, the member watch saw a
-        change, or a signal arrived (`_notify`)."""
-        import select
-
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
+        change, or a signal arrived."""
         with self._lock:
-            for rep in self._replicas.values():
-                for p in rep.procs:
-                    fd = self._pidfds.get(p.pid)
-                    if fd is not None and _peek(p) is None:
-                        poller.register(fd, select.POLLIN)
-        try:
-            poller.poll(max(0.0, timeout_s) * 1e3)
-        except InterruptedError:
-            pass
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+            fds = self._procs.exit_fds(p for rep in self._replicas.values() for p in rep.procs)
+        self._waker.sleep(timeout_s, fds)
 
     # -- the loop --------------------------------------------------------------------------------
+    def _replica(self, rid: int) -> ReplicaRecord:
+        if rid not in self._replicas:
+            raise KeyError(f"replica {rid} is not supervised here (this supervisor owns {sorted(self._replicas)})")
+        return self._replicas[rid]
+
     def _watch(self) -> None:
         """This pass's decision for every running replica (launch/policy.py `next_action`),
         carried out: exits read without reaping (so the process groups of a failed replica can
@@ -215,10 +338,10 @@ class Supervisor(Spares):
         running = [rep for rep in self._replicas.values() if rep.state == "running"]
         if not running:
             return
-        codes = {rep.rid: tuple(_peek(p) for p in rep.procs) for rep in running}
+        codes = {rep.rid: tuple(peek(p) for p in rep.procs) for rep in running}
         # one read of the members' reports per pass, when some replica's rank 0 still runs
-        reports = (self._member_reports() if self.hang_check and any(c and c[0] is None for c in codes.values())
-                   else None)
+        reports = (self._view.member_reports()
+                   if self.settings.hang_check and any(c and c[0] is None for c in codes.values()) else None)
         now = time.monotonic()
         for rep in running:
             if rep.state != "running":  # a world restart or a halt already stopped it in this pass
@@ -239,26 +362,27 @@ class Supervisor(Spares):
                 if not (len(actions) == 1 and isinstance(actions[0], policy.Need)):
                     break
                 if actions[0].fact == "halted":
-                    facts = replace(facts, halted=bool(self._read_halt()))  # the key decides
+                    facts = replace(facts, halted=bool(self._view.halt_reason()))  # the key decides
                 else:
-                    facts = replace(facts, left_cleanly=self._left_cleanly(rep))
+                    facts = replace(facts, left_cleanly=self._view.left_cleanly(rep.rid, rep.incarnation))
             for a in actions:
                 self._obey(rep, a, now)
 
-    def _obey(self, rep: _Replica, a: policy.Action, now: float) -> None:
+    def _obey(self, rep: ReplicaRecord, a: policy.Action, now: float) -> None:
+        event = self._events.replica
         if isinstance(a, policy.LogExit):
             rep.procs[a.rank].wait()
             rep.logged_exits.add(a.rank)
-            self._event(rep, "exit", rank=a.rank, code=0, pid=rep.procs[a.rank].pid)
+            event(rep.rid, rep.incarnation, "exit", rank=a.rank, code=0, pid=rep.procs[a.rank].pid)
         elif isinstance(a, policy.Halted):
-            self._event(rep, "exit", rank=a.rank, code=a.code, pid=rep.procs[a.rank].pid)
-            self._on_halt(rep)
+            event(rep.rid, rep.incarnation, "exit", rank=a.rank, code=a.code, pid=rep.procs[a.rank].pid)
+            self._restarts.halt(rep)
         elif isinstance(a, policy.ExitFailed):
-            self._event(rep, "exit", rank=a.rank, code=a.code, pid=rep.procs[a.rank].pid)
-            self._fail(rep, a.reason, code=a.code, rank=a.rank)
+            event(rep.rid, rep.incarnation, "exit", rank=a.rank, code=a.code, pid=rep.procs[a.rank].pid)
+            self._restarts.fail(rep, a.reason, code=a.code, rank=a.rank)
         elif isinstance(a, policy.Done):
             rep.state = "done"
-            rep.step = self._committed_step(rep)
+            rep.step = _committed_step(rep, self.place.run_dir)
         elif isinstance(a, policy.Leaving):
             if rep.leaving_since is None:
                 rep.leaving_since = now
@@ -267,8 +391,8 @@ class Supervisor(Spares):
                 rep.diagnosis.join(DUMP_TIMEOUT_S + 1.0)
             stacks = {r: dump_stack(p.pid, EXIT_DUMP_TIMEOUT_S, native=True) for r, p in enumerate(rep.procs)
                       if a.dump and p.returncode is None}  # where it hangs on its way out
-            self._event(rep, "hang", reason=a.reason, **({"stacks": stacks} if stacks else {}))
-            self._fail(rep, a.reason)
+            event(rep.rid, rep.incarnation, "hang", reason=a.reason, **({"stacks": stacks} if stacks else {}))
+            self._restarts.fail(rep, a.reason)
         elif isinstance(a, policy.Seen):
             rep.member_seen, rep.missing_since = True, None
             rep.step = a.step if a.step is not None else rep.step
@@ -280,206 +404,30 @@ class Supervisor(Spares):
         elif isinstance(a, policy.Missing):
             rep.missing_since = now
             if rep.diagnosis is None or not rep.diagnosis.is_alive():  # read its stacks while it still hangs
-                rep.diagnosis = threading.Thread(target=self._diagnose_hang, name=f"lft-hang-r{rep.rid}",
-                                                 args=(rep, rep.incarnation, list(rep.procs), now), daemon=True)
-                rep.diagnosis.start()
+                live = {r: p.pid for r, p in enumerate(rep.procs) if p.returncode is None}
+                rep.diagnosis = diagnosis.start(self._view, self._events, diagnosis.Suspect(
+                    rep.rid, rep.incarnation, live, now, self.settings.hang_grace_s))
         else:
             raise AssertionError(f"supervisor: no way to carry out {a!r}")
 
-    def _diagnose_hang(self, rep: _Replica, incarnation: int, procs: list[Proc],
-                       missing_since: float) -> None:
-        """A `hang` event that says where replica `rep` hangs (coord/hang.py): its ranks' process
-        states and Python stacks, read from outside while it still hangs (launch/stacks.py), and
-        the other replicas' stall reports (which FTAR link waits on it). Runs on its own thread
-        from the moment its member key vanished; the kill waits for it (bounded). A stopped rank
-        is a hang at once; otherwise the event waits for `hang_grace_s`, and is dropped if the
-        replica exited meanwhile (a leader that revoked its lease on its way out)."""
-        try:
-            if self._left_cleanly(rep):
-                return
-            live = {r: p.pid for r, p in enumerate(procs) if p.returncode is None}
-            if not live:
-                return
-            states = {r: process_state(pid) for r, pid in live.items()}
-            culprit = culprit_rank(states)
-            stacks = {r: dump_stack(pid) for r, pid in live.items() if r in (0, culprit)}
-            d = diagnose(rep.rid, states, self._stall_reports(), stacks, pids=live, max_age_s=STALL_MAX_AGE_S,
-                         why=f"members/{rep.rid} of incarnation {incarnation} vanished (lease expired) while "
-                             f"its processes run")
-            if d.state not in (*STOPPED, "D"):
-                time.sleep(max(0.0, missing_since + self.hang_grace_s - time.monotonic()))
-                if (self._left_cleanly(rep) or process_state(live.get(0, -1)) in ("Z", "X", "?")
-                        or self._member_back(rep.rid, incarnation)):
-                    return  # the leader exited, or its key is back: no hang (the supervisor's own rule)
-            log.warning("hang: %s", d.reason)
-            self._event(rep, "hang", incarnation=incarnation, diagnosis=True, **d.event())
-        except Exception as e:  # a diagnosis must never stop the supervision
-            log.warning("replica %d: hang diagnosis failed: %s: %s", rep.rid, type(e).__name__, e)
 
-    def _on_halt(self, rep: _Replica) -> None:
-        """The job halted: this replica is done for good, and nobody is restarted."""
-        if not self.halted:
-            self.halted = self._read_halt() or f"replica {rep.rid} exited with {int(ExitCode.HALTED)} (job halted)"
-            self._halted_at = time.monotonic()
-            log.error("lightning-ft: the job halted: %s", self.halted)
-            self._event(rep, "job_halted", reason=self.halted)
-        for p in rep.procs:
-            _signal(p, signal.SIGKILL)
-            _wait(p)
-        rep.state = "failed"
-        for other in self._replicas.values():
-            if other.state == "restarting":
-                other.state = "failed"
-
-    def _report_crash_loop(self, rep: _Replica, code: Optional[int], rank: int) -> None:
-        """A crash loop ended the replica (policy.after_failure): say so, with its log's last lines."""
-        path = os.path.join(self.run_dir, "logs", f"r{rep.rid}.i{rep.incarnation}.rank{rank}.log")
-        try:
-            tail = open(path, errors="replace").read().splitlines()[-20:]
-        except OSError:
-            tail = []
-        msg = (f"replica {rep.rid} failed {rep.crash_streak} times in a row with exit code {code} before committing "
-               f"any step; not restarting it. Last lines of {path}:\n" + "\n".join("    " + t for t in tail))
-        print(f"lightning-ft: {msg}", flush=True)
-        self._event(rep, "crash_loop", code=code, streak=rep.crash_streak, log=path, tail=tail)
-
-    # -- failures and restarts -------------------------------------------------------------------
-    def _fail(self, rep: _Replica, reason: str, code: Optional[int] = None, rank: int = 0) -> None:
-        """Kill the rest of the replica, evict it at once, then schedule its restart or give up."""
-        killed = [rank for rank, p in enumerate(rep.procs) if _peek(p) is None]
-        for p in rep.procs:
-            _signal(p, signal.SIGKILL)  # the exited ranks too: this reaches what is left of their groups
-        self._evict(rep, reason)
-        for p in rep.procs:
-            if not _wait(p):
-                self._stragglers.append(p)
-        rep.failed_at = time.monotonic()
-        self._event(rep, "evict", reason=reason, killed_ranks=killed)
-        downtime = self._downtime.get(rep.rid, 0)
-        if downtime <= 0 and self._schedule is not None:
-            downtime = self._schedule.downtime(rep.rid, rep.incarnation)
-        out = policy.after_failure(policy.History(
-            code=code, progressed=rep.progressed, crash_code=rep.crash_code, crash_streak=rep.crash_streak,
-            restarts=rep.restarts, halted=bool(self.halted), downtime_steps=downtime), self._limits)
-        rep.crash_code, rep.crash_streak = out.crash_code, out.crash_streak
-        rep.state = out.state
-        if out.why == "crash_loop":
-            self._report_crash_loop(rep, code, rank)
-            self._check_min_replicas()
-            return
-        if out.why == "max_restarts":
-            self._event(rep, "give_up", reason=f"replica {rep.rid} failed {rep.restarts + 1} times "
-                                               f"(max_restarts={self.max_restarts}); not restarting it")
-            return
-        if out.state != "restarting":  # a halted job restarts nobody: an eviction racing the halt ends it
-            return
-        rep.restart_at = rep.failed_at + self.restart_delay_s
-        if self.restart_mode == "world":
-            self._stop_world(rep)
-            return
-        if out.downtime_steps > 0:
-            rep.restart_step = self._job_step() + out.downtime_steps
-
-    def _check_min_replicas(self) -> None:
-        """Replicas given up on: stop the job when fewer than min_replicas can still train."""
-        left = [r for r in self._replicas.values() if r.state != "failed"]
-        if len(self._replicas) < self.replicas:
-            return  # one launcher of several: the others' replicas count too, and we cannot see them
-        if len(left) < self.min_replicas:
-            self.stopped = (f"only {len(left)} replica(s) left after crash loops, fewer than min_replicas="
-                            f"{self.min_replicas}; stopping the job")
-            print(f"lightning-ft: {self.stopped}", flush=True)
-            for r in left:
-                for p in r.procs:
-                    _signal(p, signal.SIGKILL)
-                    _wait(p)
-                self._evict(r, "job stopped: too few replicas")
-                r.state = "failed"
-
-    def _stop_world(self, failed: _Replica) -> None:
-        """Restart-the-world baseline: stop every other running replica as well."""
-        for rep in self._replicas.values():
-            if rep is failed or rep.state != "running":
-                continue
-            for p in rep.procs:
-                _signal(p, signal.SIGKILL)
-            for p in rep.procs:
-                if not _wait(p):
-                    self._stragglers.append(p)
-            self._evict(rep, f"world restart after replica {failed.rid} failed")
-            self._event(rep, "world_stop", reason=f"replica {failed.rid} failed")
-            rep.failed_at = failed.failed_at
-            rep.state = "restarting"
-            rep.restart_at = failed.restart_at
-
-    def _resume_world(self) -> None:
-        """Before a world restart: the newest valid checkpoint, and a new history generation at it."""
-        from lightning_ft.replica.checkpoint import newest_valid, restart_job
-
-        found = newest_valid(self.checkpoint_root) if self.checkpoint_root else None
-        try:
-            restart_job(self._store, self._root, found[1] if found else None)
-        except StoreError as e:
-            log.warning("could not reset the job keyspace for a world restart: %s", e)
-        if found is None:
-            self._extra_env.pop("LFT_RESUME", None)
-        else:
-            self._extra_env["LFT_RESUME"] = os.path.abspath(found[1])
-        for rep in self._replicas.values():
-            if rep.state == "restarting":
-                self._event(rep, "world_restart", checkpoint=found[1] if found else None,
-                            step=found[0] if found else 0)
-
-    def _restart_due(self) -> None:
-        now = time.monotonic()
-        if self.halted:
-            for rep in self._replicas.values():
-                if rep.state == "restarting":  # nothing restarts after a halt: run() can end
-                    rep.state = "failed"
-            if now - self._halted_at > HALT_GRACE_S:  # replicas that never learned of it
-                for rep in self._replicas.values():
-                    if rep.state == "running":
-                        self._on_halt(rep)
-            return
-        if self.restart_mode == "world":
-            waiting = [rep for rep in self._replicas.values() if rep.state == "restarting"]
-            if not waiting or any(rep.state == "running" for rep in self._replicas.values()) or \
-                    now < max(rep.restart_at for rep in waiting):
-                return
-            self._resume_world()
-            for rep in waiting:
-                rep.incarnation += 1
-                rep.restarts += 1
-                self._launch(rep)
-            return
-        for rep in self._replicas.values():
-            if rep.state != "restarting":
-                continue
-            pending = policy.Pending(restart_at=rep.restart_at, by_step=rep.restart_step is not None,
-                                     spares=bool(self._spares))
-            facts = policy.Facts()
-            while True:
-                a = policy.restart_action(pending, now, facts)
-                if isinstance(a, policy.Need) and a.fact == "downtime_over":
-                    facts = replace(facts, downtime_over=self._downtime_over(rep))
-                elif isinstance(a, policy.Need):
-                    facts = replace(facts, finished=self._job_finished())
-                elif isinstance(a, policy.Promote):
-                    facts = replace(facts, promoted=self._promote_spare(rep))
-                else:
-                    break
-            if isinstance(a, policy.NotRestarted):  # nothing left to train: a late replica would only idle
-                rep.state = "done"
-                self._event(rep, "not_restarted", reason="the job already finished")
-            elif isinstance(a, policy.Launch):
-                rep.incarnation += 1
-                rep.restarts += 1
-                self._launch(rep)
-
-    def _downtime_over(self, rep: _Replica) -> bool:
-        """The job reached restart_step, or nobody else is training (so it never would)."""
-        reports = self._member_reports()
-        if reports is None:
-            return False
-        others = {rid: r for rid, r in reports.items() if rid != rep.rid}
-        return not others or (rep.restart_step is not None and self._job_step(reports) >= rep.restart_step)
+def _committed_step(rep: ReplicaRecord, run_dir: str) -> Optional[int]:
+    """The steps a replica that exited cleanly committed: its `final.json` (strategy/runlog.py)
+    when this incarnation wrote it, else the last step it reported. Member reports are written
+    in full rounds only (steady rounds touch no etcd), so they lag by up to
+    `consistency.every_n_steps`: a job of 400 steps ended with "step 390" on every replica."""
+    path = os.path.join(run_dir, f"replica_{rep.rid}", "final.json")
+    started = time.time() - (time.monotonic() - rep.started_at)
+    try:
+        if os.stat(path).st_mtime < started - 1.0:
+            return rep.step  # an earlier run's, in a reused run directory
+        with open(path) as f:
+            final = json.load(f)
+    except (OSError, ValueError):
+        return rep.step
+    if not isinstance(final, dict) or final.get("incarnation") != rep.incarnation:
+        return rep.step
+    step = final.get("step")
+    if not isinstance(step, int):
+        return rep.step
+    return step

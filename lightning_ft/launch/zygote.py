@@ -158,7 +158,12 @@ class ZygoteProc:
 class Zygote:
     """Starts the zygote process (`python -m lightning_ft.launch.zygote_server`) and forks programs
     through it once it has imported `preload`. `spawn` returns None while it is not ready or
-    when it failed: the caller starts the process itself."""
+    when it failed: the caller starts the process itself.
+
+    Threads: the supervision loop calls `spawn` and `close`; the reader thread (`zygote`)
+    reads the socket. They share `_procs` and `_pending` under `_lock`, the socket's sends
+    under `_send_lock`, the events `ready` and each process's exit, and one field each: the
+    reader writes `_gone` and `preloaded_s`, the loop `_broken` (`failed` reads both)."""
 
     def __init__(self, preload: Sequence[str], env: Optional[dict[str, str]] = None,
                  on_exit: Optional[Callable[[], None]] = None, log_path: Optional[str] = None) -> None:
@@ -171,8 +176,10 @@ class Zygote:
         self._seq = 0
         self._lock = threading.Lock()
         self.ready = threading.Event()
-        self.failed = ""
-        """Why the zygote is unusable ("" while it works)."""
+        self._gone = ""
+        """The zygote process exited (the reader thread writes it)."""
+        self._broken = ""
+        """Its socket failed in a spawn (the loop's thread writes it)."""
         self.preloaded_s: Optional[float] = None
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
@@ -187,6 +194,11 @@ class Zygote:
                 out.close()  # type: ignore[union-attr]
         self._reader = threading.Thread(target=self._read, name="zygote", daemon=True)
         self._reader.start()
+
+    @property
+    def failed(self) -> str:
+        """Why the zygote is unusable ("" while it works)."""
+        return self._broken or self._gone
 
     def _send(self, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
         data = json.dumps(msg).encode()
@@ -232,7 +244,7 @@ class Zygote:
                 elif "pid" in msg:  # forked after spawn gave up (and the caller started it afresh)
                     self._drop_late(int(msg["pid"]))
         # the zygote is gone: its children's exits can no longer be learned from it
-        self.failed = self.failed or "the zygote process exited"
+        self._gone = "the zygote process exited"
         self.ready.clear()
         with self._lock:
             procs = list(self._procs.values())
@@ -285,7 +297,7 @@ class Zygote:
             self._send({"op": "watch", "pid": pid})
             return proc
         except OSError as e:
-            self.failed = f"its socket failed: {e}"
+            self._broken = f"its socket failed: {e}"
             return None
         finally:
             with self._lock:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.membership import MembershipSettings
 from lightning_ft.coord.runs import RunHold, open_run
-from lightning_ft.coord.store import store_from_config
+from lightning_ft.coord.etcd_config import store_from_config
 from lightning_ft.ftar.engine import FTAR, FTARSettings
 from lightning_ft.replica import ledger, startup
 from lightning_ft.replica.catchup.transfer import StateTransfer

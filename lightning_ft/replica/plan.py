@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_ft.constants import LR_MODES
-from lightning_ft.coord.quorum import Quorum
+from lightning_ft.coord.round_records import Quorum
 
 OK, FAILED, LOST = 1, 0, -1
 """Votes: MIN over the replica's ranks decides."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_ft.coord.coordinator import Coordinator
-from lightning_ft.coord.quorum import LocalView, Quorum, adopt_role, must_abort, steady_next
+from lightning_ft.coord.quorum import LocalView, adopt_role, must_abort, steady_next
+from lightning_ft.coord.round_records import Quorum
 from lightning_ft.coord.store import StoreError
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.ring import neighbours

@@ -96,9 +96,11 @@ def rank_addresses(world: int, port: int = 29500) -> tuple[str, ...]:
 
 
 def _leader(cfg: dict, rid: int, out: dict, ready: threading.Barrier) -> None:
-    from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
-    from lightning_ft.coord.quorum import JobSpec
-    from lightning_ft.coord.store import EtcdStore, Store
+    from lightning_ft.coord.coordinator import Coordinator
+    from lightning_ft.coord.membership import MembershipSettings
+    from lightning_ft.coord.round_records import JobSpec
+    from lightning_ft.coord.etcd_store import EtcdStore
+    from lightning_ft.coord.store import Store
     from lightning_ft.replica.ledger import record_commit
 
     R, W = cfg["replicas"], cfg["addr_ranks"]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def on_exception(s: FTHSDPStrategy, exception: BaseException) -> None:
-    from lightning_ft.coord.coordinator import ConfigMismatch, Evicted, JobFinished, JobHalted, QuorumTimeout
+    from lightning_ft.coord.membership import ConfigMismatch, Evicted, JobFinished, JobHalted, QuorumTimeout
     from lightning_ft.coord.store import StoreError
     from lightning_ft.ftar.transport.base import FatalError
     from lightning_ft.replica.plan import ReplicaStateLost, StaleManualStep

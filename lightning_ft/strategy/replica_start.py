@@ -177,7 +177,7 @@ def start_replica(s: FTHSDPStrategy, trainer: Any) -> None:
         if s.global_rank == 0:
             print(f"lightning-ft: replica {s.rid} resumed from {resume} (step {replica.step}) in "
                   f"{time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
-    from lightning_ft.coord.coordinator import JobFinished
+    from lightning_ft.coord.membership import JobFinished
     from lightning_ft.strategy.evaluation import CrossReplicaReducer
 
     # half the hang guard: a value that never comes must not make this replica look hung

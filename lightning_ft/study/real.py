@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.store import EtcdStore, Store
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import Store
 from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from lightning_ft.report import _jsonl  # torn last lines of killed writers are skipped
 

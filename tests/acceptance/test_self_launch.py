@@ -203,7 +203,7 @@ def test_python_app_py_with_a_warm_spare_of_two_ranks_heals_a_kill_from_it(tmp_p
     spare of W=2 processes; a replica SIGKILLed once the spare is registered becomes the spare's
     (both ranks promoted together), and the job ends identical and exactly once."""
     from lightning_ft.coord import keys
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.etcd_store import EtcdStore
     from tests.strategy.runs import run_root
 
     steps, replicas, devices = 80, 2, 2

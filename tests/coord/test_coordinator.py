@@ -13,11 +13,12 @@ from itertools import pairwise
 import pytest
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import ConfigMismatch, Coordinator, MembershipSettings, QuorumTimeout
-from lightning_ft.coord.membership import CoordinatorClosed
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.membership import ConfigMismatch, CoordinatorClosed, MembershipSettings, QuorumTimeout
 from lightning_ft.coord.demo import LeaderProc
-from lightning_ft.coord.quorum import JobSpec
-from lightning_ft.coord.store import EtcdStore, MemoryStore
+from lightning_ft.coord.round_records import JobSpec
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import MemoryStore
 
 TTL = 1.0
 
@@ -482,7 +483,7 @@ def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded
             for c in (a, b):
                 c.adopt_steady(steady_next(c.current, LocalView(committed=True, changed=False, digest_due=False)))
         j.register(0, synced=False)
-        assert j._own_report.round == stale and j._own_report.joining
+        assert j.membership.report.round == stale and j.membership.report.joining
         out: dict = {}
         tj = threading.Thread(target=lambda: out.__setitem__("j", j.quorum(0, timeout_s=5)))
         tj.start()
@@ -495,7 +496,7 @@ def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded
         assert qa == qb == qj and qj.members == (0, 1, 2) and qj.lagging == (1,), (qa, qj)
         assert qj.round == stale + 50
         assert s.get(keys.quorum(keys.root("/lft", "j"), stale)) is None  # it never decided the stale round
-        assert not j._own_report.joining
+        assert not j.membership.report.joining
     finally:
         a.close(), b.close(), j.close(), s.close()
 

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_ft.coord.etcd_members import etcdctl
 from lightning_ft.coord.etcd_server import EtcdCluster, EtcdServer, EtcdServerOptions, make_data_dir
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 
 
 def test_fsync_is_skipped_only_when_asked(tmp_path):

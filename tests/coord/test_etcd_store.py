@@ -12,7 +12,9 @@ from pyetcd import etcdrpc
 
 from lightning_ft.config import EtcdConfig, load_config, to_yaml
 from lightning_ft.coord.etcd_server import EtcdCluster, EtcdServer, ServerTLS, free_port
-from lightning_ft.coord.store import EtcdStore, StoreError, store_from_config
+from lightning_ft.coord.etcd_config import store_from_config
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import StoreError
 from tests.coord.certs import CA
 from tests.coord.test_store import Recorder
 
@@ -369,7 +371,7 @@ def test_store_from_config_without_an_endpoint_says_how_to_get_one(monkeypatch):
 FORK_UNDER_WATCH = """
 import subprocess, sys, threading
 from lightning_ft.coord.etcd_server import _die_with_parent
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 s = EtcdStore(sys.argv[1])
 s.watch_prefix("/lft/fork/", lambda ev: None)
 stop = threading.Event()

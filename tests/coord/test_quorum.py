@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from lightning_ft.coord.quorum import Halt, JobSpec, Quorum, Report, compute_quorum, decode_round, fingerprint_diff
+from lightning_ft.coord.quorum import compute_quorum, fingerprint_diff
+from lightning_ft.coord.round_records import Halt, JobSpec, Quorum, Report, decode_round
 
 FP = {"job": "j", "replicas": 3, "nproc_per_replica": 1}
 JOB = JobSpec(replicas=3, min_replicas=1, init_timeout_s=10.0, fingerprint=FP)
@@ -18,7 +19,7 @@ def rep(rid, step=0, round=0, inc=0, fp=None):
 
 
 def decide(round, reports, evicted=(), previous=None, job=JOB, waited_s=0.0, history=None):
-    from lightning_ft.coord.quorum import History
+    from lightning_ft.coord.round_records import History
 
     return compute_quorum(round, {r.rid: r for r in reports}, frozenset(evicted), previous, job, waited_s,
                           history or History())
@@ -244,7 +245,8 @@ def test_random_decisions_obey_invariants(seed):
 
 # -- rules 5-9: partitions, usable states, rewinds, sync rounds, the divergence guard -------------
 
-from lightning_ft.coord.quorum import QUARANTINE_ROUNDS, STRIKES, SYNC, TRAIN, History, adopt_role  # noqa: E402
+from lightning_ft.coord.quorum import QUARANTINE_ROUNDS, STRIKES, adopt_role  # noqa: E402
+from lightning_ft.coord.round_records import SYNC, TRAIN, History  # noqa: E402
 
 
 def srep(rid, step=0, round=1, inc=0, gen=0, synced=True, digest="", digest_step=-1, ring_ok=True, blame=(),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lightning_ft.coord.quorum import (SYNC, History, JobSpec, LocalView, Quorum, Report, compute_quorum,
-                                       steady_next)
+from lightning_ft.coord.quorum import LocalView, compute_quorum, steady_next
+from lightning_ft.coord.round_records import SYNC, History, JobSpec, Quorum, Report
 
 FP = {"job": "j", "replicas": 4, "nproc_per_replica": 1}
 CONSTANT = JobSpec(replicas=4, min_replicas=1, init_timeout_s=10.0, fingerprint=FP, batch_policy="constant")

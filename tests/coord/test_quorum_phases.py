@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from lightning_ft.coord.quorum import (JobSpec, LocalView, Quorum, Report, compute_quorum, phase_of, steady_next)
+from lightning_ft.coord.quorum import LocalView, compute_quorum, phase_of, steady_next
+from lightning_ft.coord.round_records import JobSpec, Quorum, Report
 
 FP = {"job": "j", "replicas": 3, "nproc_per_replica": 1}
 JOB = JobSpec(replicas=3, min_replicas=1, init_timeout_s=10.0, fingerprint=FP)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lightning_ft.coord import keys
-from lightning_ft.coord.coordinator import ConfigMismatch, JobFinished
+from lightning_ft.coord.membership import ConfigMismatch, JobFinished
 from lightning_ft.coord.runs import RunConflict, RunRecord
 from lightning_ft.coord.standby import Spare, Vacancy, Waiter, WaiterSettings, assign, promote, spares
 from lightning_ft.coord.store import MemoryStore

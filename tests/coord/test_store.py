@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from lightning_ft.coord.store import EtcdStore, LeaseExpired, MemoryStore, StoreError
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import LeaseExpired, MemoryStore, StoreError
 
 
 @pytest.fixture(scope="module")

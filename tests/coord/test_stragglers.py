@@ -6,7 +6,8 @@ import json
 import pytest
 
 from lightning_ft.coord import stragglers
-from lightning_ft.coord.quorum import History, JobSpec, Quorum, Report, compute_quorum, steady_eligible
+from lightning_ft.coord.quorum import compute_quorum, steady_eligible
+from lightning_ft.coord.round_records import History, JobSpec, Quorum, Report
 from lightning_ft.coord.stragglers import EXCLUDE, PROBATION_ROUNDS, WAIT
 
 FP = {"job": "j"}

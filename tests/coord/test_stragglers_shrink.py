@@ -9,7 +9,8 @@ import json
 import pytest
 
 from lightning_ft.coord import stragglers
-from lightning_ft.coord.quorum import JobSpec, LocalView, Quorum, Report, steady_next
+from lightning_ft.coord.quorum import LocalView, steady_next
+from lightning_ft.coord.round_records import JobSpec, Quorum, Report
 from lightning_ft.coord.stragglers import SHRINK
 from lightning_ft.replica.batch_policy import round_batches
 from tests.coord.test_stragglers import FP, decide, prev

@@ -16,7 +16,7 @@ import uuid
 
 import yaml
 
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests.strategy.runs import Run, ok, run_root
 

@@ -56,7 +56,7 @@ def _action(specs: list[str], me: tuple[int, int, int]) -> str:
 
 
 def _member(rid: int, inc: int, hold_ms: int, then: str, rate: float) -> None:
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.etcd_store import EtcdStore
 
     store = EtcdStore(os.environ["LFT_ETCD"], connect_timeout_s=5)
     from lightning_ft.coord import keys
@@ -77,7 +77,7 @@ def _member(rid: int, inc: int, hold_ms: int, then: str, rate: float) -> None:
 
 def _halt(ms: int) -> None:
     from lightning_ft.coord import keys
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.etcd_store import EtcdStore
 
     time.sleep(ms / 1000)
     store = EtcdStore(os.environ["LFT_ETCD"], connect_timeout_s=5)

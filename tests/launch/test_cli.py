@@ -8,7 +8,7 @@ import sys
 import time
 
 from lightning_ft.coord.etcd_server import free_port
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from tests.procs import alive, children, descendants, replica_pid
 
 

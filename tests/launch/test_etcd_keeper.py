@@ -24,7 +24,7 @@ from itertools import pairwise
 from lightning_ft.bench.localjob import LOOP
 from lightning_ft.coord.etcd_server import EtcdServer, free_port
 from lightning_ft.coord.quorum import MAX_STEADY_STEPS
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.constants import ExitCode
 from lightning_ft.replica.checkpoint import newest_valid, verify
 from lightning_ft.replica.ledger import read_cursors, verify_ledger

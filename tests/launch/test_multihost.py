@@ -19,7 +19,7 @@ import pytest
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.addresses import decode_blocks
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests import netns
 from tests.procs import children, replica_pid

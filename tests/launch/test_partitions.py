@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from lightning_ft.bench.localjob import LOOP
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests import netns
 from tests.launch.test_multihost import clean_env, start_etcd, tail

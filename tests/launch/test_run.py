@@ -113,7 +113,7 @@ def test_a_second_job_on_a_live_id_is_refused_and_a_reused_id_starts_afresh(tmp_
 
     from lightning_ft.coord import keys
     from lightning_ft.coord.runs import recorded_run
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.etcd_store import EtcdStore
     from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
     job = "reuse" + uuid.uuid4().hex[:6]

@@ -18,9 +18,11 @@ from typing import Callable
 
 import pytest
 
-from lightning_ft.coord.store import EtcdStore, MemoryStore
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import MemoryStore
 from lightning_ft.constants import ExitCode
-from lightning_ft.launch.supervisor import TERM_GRACE_S, Supervisor
+from lightning_ft.launch.processes import TERM_GRACE_S
+from lightning_ft.launch.supervisor import Supervisor
 from lightning_ft.launch.supervisor_settings import split
 
 CHILD = str(Path(__file__).with_name("child.py"))
@@ -334,9 +336,10 @@ def _leaving_leader(path, tail: str, first_only: bool = False):
     exit 0 at once."""
     path.write_text(
         "import os, signal, time\n"
-        "from lightning_ft.coord.coordinator import Coordinator, MembershipSettings\n"
-        "from lightning_ft.coord.quorum import JobSpec\n"
-        "from lightning_ft.coord.store import EtcdStore\n"
+        "from lightning_ft.coord.coordinator import Coordinator\n"
+        "from lightning_ft.coord.membership import MembershipSettings\n"
+        "from lightning_ft.coord.round_records import JobSpec\n"
+        "from lightning_ft.coord.etcd_store import EtcdStore\n"
         + ("if os.environ['LFT_INCARNATION'] != '0':\n    raise SystemExit(0)\n" if first_only else "")
         + "s = EtcdStore(os.environ['LFT_ETCD'])\n"
         "c = Coordinator(s, os.environ['LFT_JOB'], 0, int(os.environ['LFT_INCARNATION']), JobSpec(1, 1, 0.0, {}),\n"
@@ -511,9 +514,9 @@ def test_restarts_fork_from_the_zygote_exits_are_seen_and_shutdown_kills_their_g
     replica is restarted again the same way, and shutdown kills them and their grandchildren."""
     sup = make("1:2:1=ignore_term", replicas=2, restart_delay_s=0.1, zygote=True)
     sup.start()
-    assert sup._zygote is not None
-    wait_for(lambda: sup._zygote.ready.is_set(), 120, "the zygote to import torch", poll=sup.poll)
-    zpid = sup._zygote.proc.pid
+    assert sup._procs.zygote is not None
+    wait_for(lambda: sup._procs.zygote.ready.is_set(), 120, "the zygote to import torch", poll=sup.poll)
+    zpid = sup._procs.zygote.proc.pid
     for inc in (0, 1):  # SIGKILL a rank of replica 1: its next incarnation comes from the zygote
         pids = status(sup, 1)["pids"]
         os.kill(pids[1], signal.SIGKILL)
@@ -535,4 +538,4 @@ def test_restarts_fork_from_the_zygote_exits_are_seen_and_shutdown_kills_their_g
     for pid in forked:
         assert not Path(f"/proc/{pid}").exists()  # killed and reaped
     wait_for(lambda: not alive(grandchild), 5, "the grandchild to die")
-    assert sup._zygote.proc.poll() is not None  # the zygote stopped with the supervisor
+    assert sup._procs.zygote.proc.poll() is not None  # the zygote stopped with the supervisor

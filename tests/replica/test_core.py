@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_ft.coord.membership import JobFinished
-from lightning_ft.coord.quorum import Quorum
+from lightning_ft.coord.round_records import Quorum
 from lightning_ft.replica.core import (Applied, Checked, Do, Done, Ended, Exchanged, FinalAdopted, Planned, Probed,
                                        Restored, StepCore, StepSpec, Synced, Voted, own_optimizer, plan_of)
 from lightning_ft.replica.plan import FAILED, LOST, OK, ReplicaStateLost, StaleManualStep, StepPlan

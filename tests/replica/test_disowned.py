@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-
-from lightning_ft.coord.coordinator import Coordinator, MembershipSettings
-from lightning_ft.coord.quorum import JobSpec, Quorum
+from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.membership import MembershipSettings
+from lightning_ft.coord.round_records import JobSpec, Quorum
 from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica import ledger
 from lightning_ft.replica.guard import Digests

@@ -11,7 +11,7 @@ import sys
 import uuid
 
 from lightning_ft.bench.localjob import LOOP
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.launch.supervisor import Supervisor
 from lightning_ft.launch.supervisor_settings import Placement, SupervisorSettings
 from lightning_ft.replica.ledger import read_cursors, verify_ledger

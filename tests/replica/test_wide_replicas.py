@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from lightning_ft.bench.localjob import LOOP
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.replica.ledger import read_cursors, verify_ledger
 from tests.launch.test_multihost import clean_env, tail
 from tests.procs import alive, descendants, replica_pid

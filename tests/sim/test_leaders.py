@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pickle
 
-from lightning_ft.coord.quorum import Quorum
-from lightning_ft.coord.store import EtcdStore, MemoryStore
+from lightning_ft.coord.round_records import Quorum
+from lightning_ft.coord.etcd_store import EtcdStore
+from lightning_ft.coord.store import MemoryStore
 from lightning_ft.replica.ledger import verify_ledger
 from lightning_ft.sim.leaders import PREFIX, CountingStore, rank_addresses, run_leaders
 

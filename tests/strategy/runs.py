@@ -10,7 +10,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
-from lightning_ft.coord.store import EtcdStore
+from lightning_ft.coord.etcd_store import EtcdStore
 from lightning_ft.replica.ledger import read_cursors, verify_ledger
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lit_script.py")

@@ -175,7 +175,7 @@ def test_whole_job_restart_equals_an_uninterrupted_run(tmp_path, etcd_endpoint):
                        timeout=200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     from lightning_ft.coord.runs import recorded_run
-    from lightning_ft.coord.store import EtcdStore
+    from lightning_ft.coord.etcd_store import EtcdStore
     from lightning_ft.secret import REDACTED, tag
 
     store = EtcdStore(etcd_endpoint)

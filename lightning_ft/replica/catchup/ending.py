@@ -178,7 +178,7 @@ def finished_record(etcd_cfg: Any, job: str, endpoints: str, secret: str, run_id
     """At start-up: the `finished` record of the job's current run (as text), None while it runs
     (or has no run yet). One etcd connection, closed before returning."""
     from lightning_ft.coord.runs import current_run
-    from lightning_ft.coord.store import store_from_config
+    from lightning_ft.coord.etcd_config import store_from_config
     from lightning_ft.secret import tag
 
     store = store_from_config(etcd_cfg, endpoints)

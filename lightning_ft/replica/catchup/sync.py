@@ -11,7 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
-from lightning_ft.coord.quorum import Quorum
+from lightning_ft.coord.round_records import Quorum
 from lightning_ft.replica import ledger
 from lightning_ft.replica.plan import FAILED, LOST, OK, ReplicaStateLost
 from lightning_ft.replica.state import materialize_optimizer_state

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_ft.coord.quorum import Quorum
+from lightning_ft.coord.round_records import Quorum
 from lightning_ft.replica import startup
 from lightning_ft.replica.catchup.transport import CatchupTransport
 from lightning_ft.replica.catchup.wire import CatchupError
