@@ -15,7 +15,8 @@ to port.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, NoReturn, Optional
 
 from lightning_ft.replica.plan import StepResult
 
@@ -35,7 +36,7 @@ class FabricReplica:
                        run_id=env.run_id, standby=env.standby)
         self.mgr = ReplicaManager(model, optimizer, who, Settings.from_config(cfg),
                                   group=ReplicaGroup(rank, world, group), run_dir=env.run_dir)
-        self.last: Optional[StepResult] = None
+        self.last: StepResult = StepResult()
         """What the last `prepare` or `step` did."""
         self.cfg = cfg
 
@@ -55,16 +56,33 @@ class FabricReplica:
         return begin(self.mgr, ResumePoint(step, dict(cursors), source), self.mgr.broadcast)
 
     def prepare(self) -> StepResult:
-        """Sync, catch-up and rewind rounds until this replica holds the job's state."""
-        self.last = self.mgr.prepare()
+        """Sync, catch-up and rewind rounds until this replica holds the job's state. The job
+        finished meanwhile: `ended` (SystemExit 0)."""
+        from lightning_ft.coord.coordinator import JobFinished
+
+        try:
+            self.last = self.mgr.prepare()
+        except JobFinished as e:
+            self.ended(e)
         return self.last
 
     def step(self, batch: int, after_exchange: Callable[[], Any]) -> StepResult:
         """One optimizer step of the loop: its gradients of slot batch `batch` are computed;
         rounds until one commits (quorum, exchange, `after_exchange` on the averaged gradients,
-        the two-phase commit, retries)."""
-        self.last = self.mgr.run_step(_computed, batch=batch, computed=True, after_exchange=after_exchange)
+        the two-phase commit, retries). The job finished without this replica: `ended`."""
+        from lightning_ft.coord.coordinator import JobFinished
+
+        try:
+            self.last = self.mgr.run_step(_computed, batch=batch, computed=True, after_exchange=after_exchange)
+        except JobFinished as e:
+            self.ended(e)
         return self.last
+
+    def ended(self, why: Exception) -> NoReturn:
+        """The job finished while this replica was behind it: the loop ends here (exit code 0)."""
+        if self.mgr.rank == 0:
+            print(f"lightning-ft: replica {self.rid}: {why}; its loop ends here", file=sys.stderr, flush=True)
+        raise SystemExit(0)
 
     def finish(self, model: Any, optimizer: Any, rank: int) -> None:
         """The loop ended: a replica started from now on finds nothing to train; final.json."""
@@ -98,7 +116,7 @@ class FabricReplica:
     @property
     def writer(self) -> bool:
         """This replica writes the job's files (the lowest-id contributor of the last round)."""
-        return self.last.writer if self.last is not None else self.rid == 0
+        return self.last.writer if self.last.role else self.rid == 0
 
     @property
     def is_leader(self) -> bool:
@@ -127,7 +145,7 @@ class FabricReplica:
 
     def step_log(self, log: Any, loss: Any, seconds: float) -> None:
         """One row of steps.jsonl (strategy/runlog.py)."""
-        log.write(self.mgr, loss, bool(self.last and (self.last.caught_up or self.last.synced)), seconds, {})
+        log.write(self.mgr, loss, self.last.caught_up or self.last.synced, seconds, {})
 
 
 def _computed(plan: Any) -> None:
