@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning_ft  # noqa: F401  (registers "ft_hsdp" with Fabric)
@@ -116,6 +117,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", default="ft_hsdp")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per optimizer step")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -153,6 +155,7 @@ def main(argv: list[str]) -> int:
             loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
             fabric.backward(loss / a.accumulate)
         if not is_accumulating:
+            time.sleep(a.step_sleep)
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
             optimizer.step()
             optimizer.zero_grad()
