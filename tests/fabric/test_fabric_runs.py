@@ -39,9 +39,9 @@ def test_a_restart_before_the_first_checkpoint_sits_out_then_rejoins_through_fab
     step 0: it sits out until the job's checkpoint, exits, and its next incarnation loads it and
     takes the live job's state."""
     steps = 300
-    run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "--out", str(tmp_path / "out"), "--steps",
-                                  str(steps), "--lr", "1e-2", "--save-every", "200", "--step-sleep", "0.04", replicas=2, steps=40,
-                                  seed=3, timeout=200)
+    args = ("--steps", str(steps), "--lr", "1e-2", "--save-every", "200", "--step-sleep", "0.04")
+    run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "--out", str(tmp_path / "out"), *args, replicas=2,
+                                  steps=40, seed=3, timeout=200)
     assert run.proc.returncode == 0, ok(run)
     logs = {(rid, inc): run.log(rid, inc) for rid in range(2) for inc in range(4)}
     sat = [k for k, text in logs.items() if "did not call fabric.load(path, state) before training" in text]
