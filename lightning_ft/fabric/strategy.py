@@ -92,6 +92,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._next: Optional[int] = None  # the next micro-batch of the slot stream
         self._loss: Any = None
         self._prepared = self._trained = self._ended = False
+        self._failed = False  # an exception left the replica layer: the loop did not end
         self._steplog: Any = None
         self._dir = ""
         """Where the job's Fabric files live: loop states, micro.json, saved.json (checkpoints.py)."""
@@ -313,11 +314,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """Sync, catch-up and rewind rounds, then the loop's own state (fabric/join.py)."""
         if self._prepared or self.replica is None:
             return
-        self._prepared = True
+        self._prepared = self._failed = True
         assert self._loop is not None
         joined = Join(self.replica, self._loop, self._steplog, self.cfg, self._renv, self._secret, self._dir,
                       self.replica_rank, self._in_replica)
         self._ended = joined.run(self._optimizer, loaded, loop_step, into)
+        self._failed = False
         if joined.left:
             self.replica = None
 
@@ -374,7 +376,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
             optimizer.zero_grad(set_to_none=True)  # the job finished: this loop's extra step trains nothing
             return None
         t0 = time.perf_counter()
+        self._failed = True  # until the step returns: an exception through it ends the replica unfinished
         res = self.replica.step(window[0] // n, self._clip.apply)
+        self._failed = False
         if res.stale or res.synced:
             raise FTFabricError(f"replica {self.replica.rid}: the job rewound to step {res.step} (no replica held "
                                 "the newest state); this loop's counters are past it, so the replica exits to be "
@@ -470,7 +474,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if replica is None:
             return
         try:
-            if self._trained and not compat.exited_by_exception():
+            if self._trained and not self._failed and not compat.exited_by_exception():
                 replica.finish(self._model, self._optimizer, self.replica_rank)
         finally:
             if self._steplog is not None:

@@ -52,3 +52,20 @@ def test_a_restart_before_the_first_checkpoint_sits_out_then_rejoins_through_fab
     digests = {f["digest"][0] for f in run.finals.values()}
     assert len(run.finals) == 2 and len(digests) == 1, ok(run)
     assert run.ledger.ok and run.ledger.steps == steps, run.ledger
+
+
+def test_litgpt_shaped_fabric_loop_with_two_processes_per_replica_under_a_kill(tmp_path, etcd_endpoint):
+    """W = 2: FSDP2 inside each replica, sharded checkpoints (fabric.save by the writer replica's two
+    ranks; fabric.load of them in the restarted replica), a SIGKILL of one of its processes."""
+    steps = 100
+    args = ("--steps", str(steps), "--lr", "1e-2", "--save-every", "25", "--devices", "2", "--step-sleep", "0.1")
+    clean = lft_run(tmp_path, etcd_endpoint, "--out", str(tmp_path / "clean"), *args, replicas=2, nproc=2,
+                    script=APP, timeout=180)
+    assert clean.proc.returncode == 0, ok(clean)
+    faulted, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "--out", str(tmp_path / "faulted"), *args,
+                                      replicas=2, nproc=2, steps=steps, seed=5, timeout=200)
+    assert faulted.proc.returncode == 0, ok(faulted)
+    assert "kill" in faults, faults
+    _check(summary("b: LitGPT-shaped Fabric loop, R=2 W=2, kill", clean, faulted, 2, steps, faults), faulted, 2,
+           steps)
+    assert os.path.exists(tmp_path / "faulted" / "step-00000025" / "lit_model.pth" / "meta.pt")  # sharded
