@@ -11,6 +11,11 @@ from tests.strategy.runs import lft_run, ok
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "litgpt_shape_app.py")
 STEPS = 120
+WAIT = ("stragglers.policy=wait",)
+"""On this loaded 2-core host a replica is now and then measured 1.3x slower than the others and
+excluded (policy `exclude`); an excluded Fabric replica returns by a restart (its loop's counters
+are refilled through fabric.load, README "Fabric", limits), which near the end of these short runs
+finds the job finished. These tests are about kills: the straggler policy only reports."""
 
 
 def _check(s: dict, faulted, replicas: int, steps: int) -> None:
@@ -24,10 +29,11 @@ def _check(s: dict, faulted, replicas: int, steps: int) -> None:
 def test_litgpt_shaped_fabric_loop_under_kills_ends_identical_exactly_once_in_band(tmp_path, etcd_endpoint):
     args = ("--steps", str(STEPS), "--lr", "1e-2", "--save-every", "50")
     clean = lft_run(tmp_path, etcd_endpoint, "--out", str(tmp_path / "clean"), *args, replicas=3, script=APP,
-                    timeout=150)
+                    timeout=150, overrides=WAIT)
     assert clean.proc.returncode == 0, ok(clean)
     faulted, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "--out", str(tmp_path / "faulted"), *args,
-                                      replicas=3, steps=STEPS, seed=41, timeout=180)
+                                      replicas=3, steps=STEPS, seed=41, timeout=180,
+                                      overrides=WAIT)
     assert faulted.proc.returncode == 0, ok(faulted)
     assert "kill" in faults, faults
     _check(summary("b: LitGPT-shaped Fabric loop, R=3, kill", clean, faulted, 3, STEPS, faults), faulted, 3, STEPS)
@@ -41,7 +47,7 @@ def test_a_restart_before_the_first_checkpoint_sits_out_then_rejoins_through_fab
     steps = 300
     args = ("--steps", str(steps), "--lr", "1e-2", "--save-every", "200", "--step-sleep", "0.04")
     run, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "--out", str(tmp_path / "out"), *args, replicas=2,
-                                  steps=40, seed=3, timeout=200)
+                                  steps=40, seed=3, timeout=200, overrides=WAIT)
     assert run.proc.returncode == 0, ok(run)
     logs = {(rid, inc): run.log(rid, inc) for rid in range(2) for inc in range(4)}
     sat = [k for k, text in logs.items() if "did not call fabric.load(path, state) before training" in text]
@@ -60,10 +66,11 @@ def test_litgpt_shaped_fabric_loop_with_two_processes_per_replica_under_a_kill(t
     steps = 100
     args = ("--steps", str(steps), "--lr", "1e-2", "--save-every", "25", "--devices", "2", "--step-sleep", "0.1")
     clean = lft_run(tmp_path, etcd_endpoint, "--out", str(tmp_path / "clean"), *args, replicas=2, nproc=2,
-                    script=APP, timeout=180)
+                    script=APP, timeout=180, overrides=WAIT)
     assert clean.proc.returncode == 0, ok(clean)
     faulted, faults = run_with_faults(tmp_path, etcd_endpoint, APP, "--out", str(tmp_path / "faulted"), *args,
-                                      replicas=2, nproc=2, steps=steps, seed=5, timeout=200)
+                                      replicas=2, nproc=2, steps=steps, seed=5, timeout=200,
+                                      overrides=WAIT)
     assert faulted.proc.returncode == 0, ok(faulted)
     assert "kill" in faults, faults
     _check(summary("b: LitGPT-shaped Fabric loop, R=2 W=2, kill", clean, faulted, 2, steps, faults), faulted, 2,

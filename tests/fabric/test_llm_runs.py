@@ -47,11 +47,13 @@ def test_litgpt_pretrain_main_under_a_kill_ends_identical_exactly_once_in_band(t
     app, steps = os.path.join(HERE, "litgpt_pretrain_app.py"), 150
     # steps of ~0.2 s: the killed replica restarts (imports ~10 s here) while the job still trains
     args = ("--steps", str(steps), "--save-interval", "25", "--sample-delay", "0.025")
+    wait = ("stragglers.policy=wait",)  # see tests/fabric/test_fabric_runs.py::WAIT
     clean = lft_run(tmp_path, etcd_endpoint, "--out", str(tmp_path / "clean"), *args, replicas=2, script=app,
-                    timeout=150, python=llm_python)
+                    timeout=150, python=llm_python, overrides=wait)
     assert clean.proc.returncode == 0, ok(clean)
     faulted, faults = run_with_faults(tmp_path, etcd_endpoint, app, "--out", str(tmp_path / "faulted"), *args,
-                                      replicas=2, steps=steps, seed=7, timeout=200, python=llm_python)
+                                      replicas=2, steps=steps, seed=7, timeout=200, python=llm_python,
+                                      overrides=wait)
     assert faulted.proc.returncode == 0, ok(faulted)
     assert "kill" in faults, faults
     s = summary("a: litgpt.pretrain.main, R=2, kill", clean, faulted, 2, steps, faults)
