@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean
+.PHONY: venv llm-venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,24 @@ $(STAMP): pyproject.toml
 	assert u.find_spec('torchvision') is None, 'torchvision was installed'; \
 	print('venv: torch', torch.__version__, 'litdata', litdata.__version__, 'torchdata', torchdata.__version__, 'no torchvision')"
 	touch $(STAMP)
+
+# The acceptance programs of tests/fabric that run LitGPT and Hugging Face transformers get a venv of their
+# own: litgpt 0.5.13 pins jsonargparse<=4.41 and huggingface-hub<1.4, which clash with the dev pins. It holds
+# this package with its runtime dependencies, litgpt, transformers (litgpt's range) and torchmetrics (litgpt's
+# pretraining imports it); tests/fabric builds it when missing and skips, saying why, when it cannot.
+LLM_VENV ?= .venv-llm
+llm-venv: $(LLM_VENV)/.installed
+
+$(LLM_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(LLM_VENV)
+	$(LLM_VENV)/bin/pip install -q --upgrade pip
+	$(LLM_VENV)/bin/pip install -q torch==2.13.0
+	$(LLM_VENV)/bin/pip install -q -e . 'litgpt==0.5.13' 'transformers>=4.51.3,<4.57' 'torchmetrics==1.9.0'
+	$(LLM_VENV)/bin/python -c "import importlib.util as u, torch, litgpt, transformers, lightning_ft; \
+	assert torch.__version__.startswith('2.13.0'), torch.__version__; \
+	assert u.find_spec('torchvision') is None, 'torchvision was installed'; \
+	print('llm venv: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
 
 # ruff and mypy, configured in pyproject.toml; zero findings is the bar, and `make test` runs both
 # first (about 30 s), so a finding fails CI like a failing test.
