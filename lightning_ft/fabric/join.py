@@ -47,7 +47,7 @@ class Join:
 
     def finished(self) -> Optional[str]:
         """The job's `finished` record (rank 0 reads etcd), None while it runs."""
-        from lightning_ft.replica.ending import finished_record
+        from lightning_ft.replica.catchup.ending import finished_record
 
         env = self.env
         return finished_record(self.cfg.etcd, env.job, env.etcd, self.secret, env.run_id)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_ft.replica.data import SlotStream
+from lightning_ft.replica.ledger import SlotStream
 
 
 class _MicroSampler(Sampler):

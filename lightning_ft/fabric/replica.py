@@ -2,15 +2,15 @@
 
 A Fabric loop drives its own step: it fetches batches, runs forward and backward, then calls
 `optimizer.step()`. By then the gradients are computed, as under the Trainer's manual
-optimization, so a step here is `run_step(computed=True)` with no recomputation: a catch-up
+optimization, so a step here is `Replica.begin(computed=True, recompute=False)`: a catch-up
 between the loop's backward and its step makes the replica layer raise `StaleManualStep`,
-and the replica restarts and rejoins through `fabric.load` (strategy.py).
+and the replica restarts and rejoins through `fabric.load` (strategy.py). The step asks this
+class for what the loop cannot be asked in the middle of `optimizer.step()`: the check of the
+averaged gradients (Fabric's deferred clipping, clip.py) and a catch-up's clip.
 
-`FabricReplica` holds the `ReplicaManager` of one process (one rank of one replica) and offers
-what the strategy needs in the replica layer's public terms: start, a checkpoint's starting
-point, prepare, one step, the end of the job, close, and read-only views (step, cursor, who
-writes). When the replica core's caller-driven API replaces `run_step`, this class is the one
-to port.
+`FabricReplica` holds the `Replica` of one process (one rank of one replica) and offers what the
+strategy needs in the replica layer's public terms: start, a checkpoint's starting point,
+prepare, one step, the end of the job, close, and read-only views (step, cursor, who writes).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import functools
 import sys
 from typing import Any, Callable, NoReturn, Optional
 
+from lightning_ft.replica.core import Do
 from lightning_ft.replica.plan import StepResult
 
 
@@ -29,39 +30,44 @@ class FabricReplica:
         """`env`: the process's ReplicaEnv (launch/environment.py); `group`: a gloo process group
         over the replica's ranks, apart from FSDP2's (None for W = 1)."""
         from lightning_ft.replica.group import ReplicaGroup
-        from lightning_ft.replica.manager import ReplicaManager
+        from lightning_ft.replica.replica import Replica
         from lightning_ft.replica.settings import Identity, Settings
 
         who = Identity(env.job, env.replica_id, env.incarnation, env.num_replicas, secret, env.etcd,
                        run_id=env.run_id, standby=env.standby)
-        self.mgr = ReplicaManager(model, optimizer, who, Settings.from_config(cfg),
-                                  group=ReplicaGroup(rank, world, group), run_dir=env.run_dir)
+        self.replica = Replica(model, optimizer, who, Settings.from_config(cfg), group=ReplicaGroup(rank, world, group),
+                           run_dir=env.run_dir)
         self.last: StepResult = StepResult()
         """What the last `prepare` or `step` did."""
         self.cfg = cfg
+        self._clip_catchup: Callable[[], None] = lambda: None
 
     # -- the replica's life -------------------------------------------------------------------------
     def start(self, meta: Any, clip_catchup: Callable[[], None]) -> None:
         """Listeners and registration. `meta`: state the catch-up carries to a late replica
         (state_dict() -> str | None, load_state_dict(str)); `clip_catchup`: a catch-up's clip."""
-        self.mgr.callbacks = meta
-        self.mgr.clip_catchup = clip_catchup
-        self.mgr.start()
+        self.replica.callbacks = meta
+        self._clip_catchup = clip_catchup
+        self.replica.start()
 
     def resume_at(self, step: int, cursors: dict[int, int], source: str) -> bool:
         """Start the job's history at a checkpoint's step unless it has begun (strategy/resume.py);
         returns whether this replica starts there."""
         from lightning_ft.strategy.resume import ResumePoint, begin
 
-        return begin(self.mgr, ResumePoint(step, dict(cursors), source), self.mgr.broadcast)
+        return begin(self.replica, ResumePoint(step, dict(cursors), source), self.replica.broadcast)
 
     def prepare(self) -> StepResult:
         """Sync, catch-up and rewind rounds until this replica holds the job's state. The job
         finished meanwhile: `ended` (SystemExit 0)."""
-        from lightning_ft.coord.coordinator import JobFinished
+        from lightning_ft.coord.membership import JobFinished
 
         try:
-            self.last = self.mgr.prepare()
+            step = self.replica.prepare()
+            for ask in step:
+                if ask.do is Do.CLIP:
+                    self._clip_catchup()
+            self.last = step.result
         except JobFinished as e:
             self.ended(e)
         return self.last
@@ -70,17 +76,23 @@ class FabricReplica:
         """One optimizer step of the loop: its gradients of slot batch `batch` are computed;
         rounds until one commits (quorum, exchange, `after_exchange` on the averaged gradients,
         the two-phase commit, retries). The job finished without this replica: `ended`."""
-        from lightning_ft.coord.coordinator import JobFinished
+        from lightning_ft.coord.membership import JobFinished
 
         try:
-            self.last = self.mgr.run_step(_computed, batch=batch, computed=True, after_exchange=after_exchange)
+            step = self.replica.begin(batch=batch, computed=True, recompute=False)
+            for ask in step:
+                if ask.do is Do.CHECK:
+                    step.veto = after_exchange() is False
+                elif ask.do is Do.CLIP:
+                    self._clip_catchup()
+            self.last = step.result
         except JobFinished as e:
             self.ended(e)
         return self.last
 
     def ended(self, why: Exception) -> NoReturn:
         """The job finished while this replica was behind it: the loop ends here (exit code 0)."""
-        if self.mgr.rank == 0:
+        if self.replica.rank == 0:
             print(f"lightning-ft: replica {self.rid}: {why}; its loop ends here", file=sys.stderr, flush=True)
         raise SystemExit(0)
 
@@ -88,30 +100,30 @@ class FabricReplica:
         """The loop ended: a replica started from now on finds nothing to train; final.json."""
         from lightning_ft.strategy.runlog import write_final
 
-        self.mgr.mark_finished()
-        write_final(self.mgr, model, optimizer, rank, 0)
+        self.replica.mark_finished()
+        write_final(self.replica, model, optimizer, rank, 0)
 
     def close(self) -> None:
-        self.mgr.close()
+        self.replica.close()
 
     # -- views --------------------------------------------------------------------------------------
     @property
     def rid(self) -> int:
-        return self.mgr.rid
+        return self.replica.rid
 
     @property
     def incarnation(self) -> int:
-        return self.mgr.incarnation
+        return self.replica.incarnation
 
     @property
     def step_count(self) -> int:
         """The job's committed steps this replica holds."""
-        return self.mgr.step
+        return self.replica.step
 
     @property
     def cursor(self) -> int:
         """The next slot batch of this replica's slot."""
-        return self.mgr.cursor
+        return self.replica.cursor
 
     @property
     def writer(self) -> bool:
@@ -120,33 +132,29 @@ class FabricReplica:
 
     @property
     def is_leader(self) -> bool:
-        return self.mgr.is_leader
+        return self.replica.is_leader
 
     def finished(self) -> Optional[int]:
         """The step the job finished at, or None while it runs."""
-        return self.mgr.finished_step()
+        return self.replica.finished_step()
 
     def describe(self) -> Optional[dict]:
         """The job's position for a checkpoint (leader; None before the first round)."""
         from lightning_ft.strategy.resume import describe
 
-        return describe(self.mgr) if self.mgr.last_plan is not None else None
+        return describe(self.replica) if self.replica.last_plan is not None else None
 
     def broadcast(self, obj: Any) -> Any:
         """The leader's `obj` on every rank of this replica."""
-        return self.mgr.broadcast(obj)
+        return self.replica.broadcast(obj)
 
     @functools.cached_property
     def reducer(self) -> Any:
         """Values reduced over the live replicas through etcd (strategy/evaluation.py)."""
         from lightning_ft.strategy.evaluation import CrossReplicaReducer
 
-        return CrossReplicaReducer(self.mgr, timeout_s=self.cfg.etcd.hang_timeout_s / 2)
+        return CrossReplicaReducer(self.replica, timeout_s=self.cfg.etcd.hang_timeout_s / 2)
 
     def step_log(self, log: Any, loss: Any, seconds: float) -> None:
         """One row of steps.jsonl (strategy/runlog.py)."""
-        log.write(self.mgr, loss, self.last.caught_up or self.last.synced, seconds, {})
-
-
-def _computed(plan: Any) -> None:
-    """The loop computed its gradients before `optimizer.step()`: nothing to compute here."""
+        log.write(self.replica, loss, self.last.caught_up or self.last.synced, seconds, {})

@@ -192,7 +192,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     def _exit_if_finished(self) -> None:
         """A replica (re)started after the job finished leaves before the loop runs."""
-        from lightning_ft.replica.ending import finished_record
+        from lightning_ft.replica.catchup.ending import finished_record
 
         done = None
         if self.replica_rank == 0:
@@ -244,7 +244,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from lightning_ft.coord.coordinator import JobFinished
+        from lightning_ft.coord.membership import JobFinished
         from lightning_ft.fabric.replica import FabricReplica
         from lightning_ft.strategy.runlog import StepLog
 
