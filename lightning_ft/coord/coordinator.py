@@ -82,6 +82,8 @@ class Coordinator:
         self._fallback_s = 2.0 * m.settings.lease_ttl_s
         self._current: Optional[Quorum] = None
         self._before_steady: Optional[Quorum] = None
+        self._retracted: Optional[int] = None
+        """The steady round we last retracted (its exchange failed for us), until we meet it again."""
         """The round a steady round followed (retract_steady goes back to it)."""
         self._next_round = 0
         self._last_reason = ""
@@ -209,6 +211,14 @@ class Coordinator:
             first = False
             if raw is not None:
                 q, taken = self._take(raw)
+                if taken and q.steady and q.round == self._retracted:
+                    # The steady round whose exchange failed for us was committed by a member that
+                    # has now recorded it (steady rounds are recorded when their committers leave
+                    # the steady rounds): it is over, and the next round is a full one for everyone.
+                    self._retracted = None
+                    self._publish(step, q.round + 1)
+                    started = self._clock()
+                    continue
                 if taken:
                     return q
                 # Left out: evicted (exit), or we reported too late (try the next round).
@@ -314,6 +324,7 @@ class Coordinator:
         if self._current is not None and self._current.round == q.round - 1:
             self._before_steady = self._current
         self._current = q
+        self._retracted = None
         self.membership.watched.follow(q)
         self._next_round = q.round + 1
         self.membership.report = replace(self.membership.report, round=q.round, step=q.max_step)
@@ -339,12 +350,16 @@ class Coordinator:
         self._current = self._before_steady
         self.membership.watched.follow(self._current)
         self._next_round = q.round
+        self._retracted = q.round
         self.membership.report = replace(self.membership.report, round=q.round - 1,
                                          step=self._before_steady.max_step)
 
     def record_steady(self, q: Quorum) -> None:
         """Store a steady round's quorum (create-if-absent, so a full decision of the same round
-        that won would stand) and prune old rounds. Called from a background thread."""
+        that won would stand) and prune old rounds. Called from a background thread, for some
+        steady rounds only (replica/rounds.py: a steady round writes nothing to etcd; one in
+        `RECORD_EVERY` rounds, or every `RECORD_EVERY_S`, is recorded for the supervisor and joiners),
+        and at the end of a run of steady rounds (`record_committed`)."""
         try:
             if self.store.create(self._round_key(q.round), q.to_json()):
                 old = q.round - KEEP_ROUNDS
@@ -352,6 +367,15 @@ class Coordinator:
                     self.store.delete(self._round_key(old))
         except StoreError as e:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
+
+    def record_committed(self, committed_round: int) -> None:
+        """Before a full round's report: if our current quorum is a steady round we committed,
+        record it (create-if-absent: every committer may). A member whose exchange of that round
+        failed meets the record instead of waiting for a decision nobody makes, and a decider
+        whose own view is older reads it as the previous round."""
+        q = self._current
+        if q is not None and q.steady and q.round == committed_round:
+            self.record_steady(q)
 
     # -- deciding --------------------------------------------------------------------------------
     def _evaluate(self, round: int, waited_s: float) -> Decision:

@@ -37,6 +37,12 @@ from lightning_ft.threads import name_current
 
 log = logging.getLogger(__name__)
 
+RECORD_EVERY = 32
+"""Steady rounds between two that the lowest-id member records in etcd (for the supervisor and
+joiners); the others write nothing to etcd."""
+RECORD_EVERY_S = 2.0
+"""... or this many seconds, whichever comes first (slow steps)."""
+
 
 @dataclass(frozen=True)
 class RoundView:
@@ -98,6 +104,8 @@ class RoundClient:
         self._src_state: tuple[int, Optional[str]] = (-1, None)
         """(round, address): the state server this rank fetches from in that round."""
         self._bg: Optional[ThreadPoolExecutor] = None
+        self._recorded: tuple[int, float] = (-1, time.monotonic())
+        """(round, when) of the last steady round this leader recorded."""
 
     @property
     def is_leader(self) -> bool:
@@ -158,6 +166,7 @@ class RoundClient:
         """Leader: record our commits, report, and wait for the round's decision."""
         assert self.coord is not None and self.writer is not None  # the leader's, from start()
         state = view.state
+        self.coord.record_committed(view.committed_round)  # the steady rounds end: the last one is recorded
         refused = self.writer.flush()  # the previous steps' records precede our report for this one
         if refused is not None:
             state = state.disown()
@@ -206,7 +215,13 @@ class RoundClient:
                 coord.retract_steady()
             return None
         coord.adopt_steady(nxt)
-        if self.rid == nxt.members[0]:  # one leader records it, off the critical path
+        now = time.monotonic()
+        if self.rid == nxt.members[0] and (nxt.round - self._recorded[0] >= RECORD_EVERY
+                                           or now - self._recorded[1] >= RECORD_EVERY_S):
+            # One leader records some of the steady rounds, off the critical path: a steady round
+            # writes nothing to etcd; the supervisor's view of the job's step and a joiner's round
+            # number lag by at most these. Their end is recorded before a full round's report.
+            self._recorded = (nxt.round, now)
             if self._bg is None:
                 self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
                                               initargs=(f"lft-bg-r{self.rid}",))
