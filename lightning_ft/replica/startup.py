@@ -5,9 +5,9 @@ first mark of a name counts. `breakdown` (pure) turns them into the seconds each
 from the launcher's spawn time (`$LFT_SPAWN_T`, set by `lightning-ft run` and bench.localjob
 right before they start the process) or, without it, the kernel's start time of this process.
 
-    python      spawn -> interpreter up (the first `import lightning_ft`, in a script that
-                imports it before torch; else folded into `torch`)
-    torch       `import torch` done
+    python      spawn -> interpreter up (a program that marks it, as examples/plain_loop.py does;
+                else folded into the next part)
+    torch       `import torch` done (likewise; under Lightning folded into `lightning`)
     lightning   `lightning_ft.strategy.ft_hsdp` imported (Lightning with it; Lightning runs only)
     script      the user's script reached `fit` (the strategy's setup_environment)
     setup       the strategy set the model and optimizer up (the replica manager exists)
