@@ -189,10 +189,10 @@ def find_python312() -> str:
                      "install one and pass PY312=/path/to/python3.12")
 
 
-def verify(bundle: str, python312: str, venv: str) -> None:
-    """A new Python 3.12 venv with IMAGE faked, then `install` from `bundle` with --no-index."""
+def _venv(python312: str, venv: str, *extra: str) -> str:
+    """A new venv of `python312` (a Python 3.12) with IMAGE faked in it; its python."""
     shutil.rmtree(venv, ignore_errors=True)
-    _check(subprocess.run([python312, "-m", "venv", venv], capture_output=True, text=True),
+    _check(subprocess.run([python312, "-m", "venv", *extra, venv], capture_output=True, text=True),
            f"creating a Python 3.12 venv at {venv} with {python312}")
     py = os.path.join(venv, "bin", "python")
     version = subprocess.run([py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
@@ -201,6 +201,13 @@ def verify(bundle: str, python312: str, venv: str) -> None:
         raise SystemExit(f"gpu_bundle: {python312} is Python {version}; the GPU machines run 3.12 "
                          "(set PY312=/path/to/python3.12)")
     fake_image(py)
+    return py
+
+
+def verify(bundle: str, python312: str, venv: str) -> None:
+    """`install` from `bundle` (--no-index) into a new Python 3.12 venv with IMAGE faked; then the same
+    without pip in the venv, which takes `install`'s fallback (the wheels unpacked onto PYTHONPATH)."""
+    py = _venv(python312, venv)
     rc = subprocess.run([py, "-m", "lightning_ft.bench.gpu_bundle", "install", "--dir", bundle],
                         cwd=ROOT, env={**_clean_env(), "PYTHONPATH": ROOT}).returncode
     if rc != 0:
@@ -211,7 +218,15 @@ def verify(bundle: str, python312: str, venv: str) -> None:
     changed = {n: have.get(_norm(n)) for n, v in IMAGE.items() if have.get(_norm(n)) != v}
     if changed:
         raise SystemExit(f"gpu_bundle: installing the bundle replaced the image's own packages: {changed}")
-    emit(step="verify", ok=True, python=version, venv=venv, image_faked=IMAGE)
+    nopip = _venv(python312, venv + "-nopip", "--without-pip")
+    site = os.path.join(venv + "-nopip", "unpacked")
+    p = subprocess.run([nopip, "-m", "lightning_ft.bench.gpu_bundle", "install", "--dir", bundle, "--site", site],
+                       cwd=ROOT, env={**_clean_env(), "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    print(p.stdout, end="", flush=True)
+    if p.returncode != 0 or '"step": "install_fallback"' not in p.stdout:
+        raise SystemExit(f"gpu_bundle: the fallback (no pip: the wheels unpacked) failed ({p.returncode}):\n"
+                         f"{p.stdout[-2000:]}{p.stderr[-2000:]}")
+    emit(step="verify", ok=True, python="3.12", venv=venv, image_faked=IMAGE, fallback_too=True)
 
 
 def _clean_env() -> dict:
@@ -242,8 +257,13 @@ def emulate(bundle: str, python312: str, venv: str) -> int:
 
 # -- install (on the GPU machine, no network) -------------------------------------------------------------
 
-def install(bundle: str) -> None:
-    """pip install --no-index from `bundle` into this Python (what the image lacks), then `smoke`."""
+FALLBACK_SITE = os.path.join(tempfile.gettempdir(), "lft-gpu-site")
+"""Where `install` unpacks the wheels when pip cannot install them; bench/gpu_run.py puts it on PYTHONPATH."""
+
+
+def install(bundle: str, site: str = FALLBACK_SITE) -> None:
+    """pip install --no-index from `bundle` into this Python (what the image lacks); if pip fails, the
+    wheels of what this Python lacks unpacked into FALLBACK_SITE. Then `smoke` (in the caller)."""
     req = os.path.join(bundle, "requirements.txt")
     if not os.path.exists(req):
         raise SystemExit(f"gpu_bundle: {req} does not exist: run `make gpu-bundle` here, then carry "
@@ -256,7 +276,44 @@ def install(bundle: str) -> None:
     emit(step="install", rc=p.returncode, python=sys.executable, s=round(time.perf_counter() - t0, 1),
          installed=installed[0] if installed else [], tail="" if p.returncode == 0 else (p.stdout + p.stderr)[-2000:])
     if p.returncode != 0:
-        raise SystemExit(f"gpu_bundle: pip install --no-index from {bundle} failed ({p.returncode}); see above")
+        unpacked = unpack(bundle, site)
+        sys.path.insert(0, site)
+        emit(step="install_fallback", site=site, unpacked=unpacked,
+             why=f"pip install --no-index failed ({p.returncode}): the wheels this Python lacks are unpacked "
+                 "and put on PYTHONPATH instead")
+
+
+def unpack(bundle: str, site: str) -> list[str]:
+    """Unzip into `site` each wheel of `bundle` whose distribution this Python does not have (a wheel
+    is a zip of its files; executable bits restored, .data/purelib and platlib moved to the top)."""
+    import importlib.metadata as md
+    import zipfile
+
+    shutil.rmtree(site, ignore_errors=True)
+    os.makedirs(site)
+    done = []
+    for w in sorted(os.listdir(bundle)):
+        if not w.endswith(".whl"):
+            continue
+        try:
+            md.version(w.split("-")[0])
+            continue  # this Python has it
+        except md.PackageNotFoundError:
+            pass
+        with zipfile.ZipFile(os.path.join(bundle, w)) as z:
+            for info in z.infolist():
+                path = z.extract(info, site)
+                mode = info.external_attr >> 16
+                if mode & 0o111:
+                    os.chmod(path, mode & 0o777)
+        done.append(w)
+    for data in [d for d in os.listdir(site) if d.endswith(".data")]:
+        for kind in ("purelib", "platlib"):
+            src = os.path.join(site, data, kind)
+            if os.path.isdir(src):
+                for name in os.listdir(src):
+                    shutil.move(os.path.join(src, name), os.path.join(site, name))
+    return done
 
 
 def smoke() -> dict:
@@ -308,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--venv", default=os.path.join(ROOT, "build", "gpu-image"), help="the emulated image's venv")
     i = sub.add_parser("install", help="on the GPU machine: pip install --no-index, then the smoke check")
     i.add_argument("--check-only", action="store_true", help="no pip: only the smoke check in this Python")
+    i.add_argument("--site", default=FALLBACK_SITE, help="where the wheels are unpacked if pip fails")
     for s in (b, e, i):
         s.add_argument("--dir", default=os.path.join(ROOT, "gpu-bundle"), help="the bundle folder")
     a = p.parse_args(argv)
@@ -320,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "emulate":
         return emulate(bundle, a.python312 or find_python312(), os.path.abspath(a.venv))
     if not a.check_only:
-        install(bundle)
+        install(bundle, a.site)
     smoke()
     return 0
 

@@ -31,6 +31,7 @@ import ctypes
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from lightning_ft.bench.gpu_bundle import ROOT
+from lightning_ft.bench.gpu_bundle import FALLBACK_SITE, ROOT
 
 PR_SET_CHILD_SUBREAPER = 36
 TAIL_BYTES = 2 << 20
@@ -91,7 +92,9 @@ def figures(name: str, rows: list[dict]) -> tuple[dict, dict]:
     if name == "install":
         smoke = [r for r in rows if r.get("step") == "smoke"]
         inst = [r for r in rows if r.get("step") == "install"]
-        return {"installed": inst[0].get("installed") if inst else "not run (check only)"}, {
+        fallback = [r for r in rows if r.get("step") == "install_fallback"]
+        return {"installed": inst[0].get("installed") if inst else "not run (check only)",
+                **({"unpacked": fallback[0]["unpacked"], "site": fallback[0]["site"]} if fallback else {})}, {
             "etcd, gRPC, omegaconf, ... work": _all(smoke, "ok")}
     if name == "compile":
         c = of("compile")
@@ -282,13 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    shutil.rmtree(FALLBACK_SITE, ignore_errors=True)  # a previous run's: the install step decides anew
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     results = []
     with tempfile.TemporaryDirectory(prefix="lft-gpu-run-") as work, \
             open(os.path.join(a.out, "gpu_run.jsonl"), "w") as jl, open(os.path.join(a.out, "gpu_run.log"), "w") as log:
-        _emit(jl, start=True, dry_run=a.dry_run, python=sys.executable, out=a.out, budget_s=a.budget_s)
+        _emit(jl, start=True, dry_run=a.dry_run, python=sys.executable, out=a.out, budget_s=a.budget_s,
+              **machine())
         only = set(filter(None, a.only.split(",")))
         for name, cmd, timeout_s, extra in steps(a, work):
             if only and name not in only:
@@ -311,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 rc, wall = run_step(name, cmd, min(timeout_s, left), {**env, **extra}, log, on_line)
                 end_leftovers(name, log)
+            if name == "install" and os.path.isdir(FALLBACK_SITE):  # pip failed: the unpacked wheels
+                env["PYTHONPATH"] += os.pathsep + FALLBACK_SITE
             if name == "job":
                 _tar_job(os.path.join(work, "job"), os.path.join(a.out, "job_logs.tar.gz"))
             figs, targets = figures(name, rows)
@@ -323,7 +330,40 @@ def main(argv: list[str] | None = None) -> int:
         failed = [r["summary"] for r in results if not r["ok"]]
         _emit(jl, summary="all", ok=not failed, failed=failed, dry_run=a.dry_run,
               wall_s=round(time.perf_counter() - t0, 1))
+    cap_log(os.path.join(a.out, "gpu_run.log"))
     return 0 if not failed else 1
+
+
+def machine() -> dict:
+    """What the image offers beside Python: the GPUs (nvidia-smi), a C compiler (Triton builds its
+    launcher with one at the first kernel launch), the CPUs."""
+    smi = shutil.which("nvidia-smi")
+    gpus: Any = None
+    if smi:
+        try:
+            q = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=15)
+            gpus = q.stdout.strip().splitlines() or q.stderr.strip()[-300:]
+        except subprocess.TimeoutExpired:
+            gpus = "nvidia-smi did not answer in 15 s"
+    return {"gpus": gpus, "cc": shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc"),
+            "cpus": os.cpu_count()}
+
+
+LOG_CAP = 15 << 20
+"""What comes back of one file of $OUT is at most 16 MiB: a longer log keeps its head and its tail."""
+
+
+def cap_log(path: str) -> None:
+    size = os.path.getsize(path)
+    if size <= LOG_CAP:
+        return
+    with open(path, "rb") as f:
+        head = f.read(LOG_CAP // 3)
+        f.seek(size - 2 * LOG_CAP // 3)
+        tail = f.read()
+    with open(path, "wb") as f:
+        f.write(head + f"\n[gpu_run: {size - len(head) - len(tail)} bytes cut]\n".encode() + tail)
 
 
 CORRECTNESS = {"etcd, gRPC, omegaconf, ... work", "every kernel compiles", "kernels exact",
