@@ -1,6 +1,6 @@
 """The GPU path in one call on a lent GPU machine (docs/ARCHITECTURE.md, "The GPU path").
 
-    bash lightning_ft/bench/gpu_run.sh [--dry-run] [--budget-s 470]     # or: make gpu-check
+    bash lightning_ft/bench/gpu_run.sh [--dry-run] [--only job,overhead] [--budget-s 470]   # make gpu-check
 
 Installs the bundle's wheels into the image's Python with --no-index (bench/gpu_bundle.py; `make
 gpu-bundle` made them here and the device call carries them), then runs every GPU check, each
@@ -43,6 +43,10 @@ from typing import Any, Callable
 
 from lightning_ft.bench.gpu_bundle import FALLBACK_SITE, ROOT
 
+BUDGET_S = 470
+"""All steps on the GPU machine: a device call's 8 minutes, less a margin for the start."""
+DRY_SLACK = 2
+"""A dry run's budget and step timeouts are this many times the GPU's: a shared CPU is slower."""
 PR_SET_CHILD_SUBREAPER = 36
 TAIL_BYTES = 2 << 20
 """At most this much of each job log goes into job_logs.tar.gz (its end)."""
@@ -273,12 +277,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same steps on the CPU, tiny sizes (default: GPU_DRY_RUN=1)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu-run"),
                    help="where the JSON lines, the log and the job's logs go (default: $OUT)")
-    p.add_argument("--budget-s", type=float, default=470, help="all steps together end within this")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="all steps together end within this (470; a dry run: 900, each step's timeout doubled: "
+                        "a shared CPU is slower than the GPU machine)")
     p.add_argument("--bundle", default=os.path.join(ROOT, "gpu-bundle"))
     p.add_argument("--install", choices=("auto", "yes", "no"), default="auto",
                    help="pip install the bundle (auto: yes, but not in a dry run)")
     p.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
     a = p.parse_args(argv)
+    if a.budget_s is None:
+        a.budget_s = DRY_SLACK * BUDGET_S if a.dry_run else BUDGET_S
     t0 = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
     try:  # orphans of a step (a launcher's etcd, say) become our children, so that we can end them
@@ -314,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 rc: int | str = "skipped: out of time"
                 wall = 0.0
             else:
-                rc, wall = run_step(name, cmd, min(timeout_s, left), {**env, **extra}, log, on_line)
+                own = timeout_s * (DRY_SLACK if a.dry_run else 1)
+                rc, wall = run_step(name, cmd, min(own, left), {**env, **extra}, log, on_line)
                 end_leftovers(name, log)
             if name == "install" and os.path.isdir(FALLBACK_SITE):  # pip failed: the unpacked wheels
                 env["PYTHONPATH"] += os.pathsep + FALLBACK_SITE
