@@ -237,6 +237,12 @@ def test_the_summary_reports_figures_against_the_targets():
                        "concurrent matmul slowed <= 3%": True}
     rows[1]["reduce_bitwise"] = False
     assert gpu_run.figures("kernels", rows)[1]["kernels exact"] is False
+    job = {"check": "replicas_kill_rejoin", "identical": True, "rc": 0, "steps": [90, 90], "rejoined_steps": 50,
+           "processes": 3, "wall_s": 40.0, "device_path": False}
+    assert gpu_run.figures("job", [job])[1] == {"replicas identical after a kill": True,
+                                                "every process on the device path": False}
+    job["device_path"] = "not applicable: the CPU job takes the CPU path"
+    assert gpu_run.figures("job", [job])[1] == {"replicas identical after a kill": True}
     # a step that printed nothing (it crashed or timed out) fails its correctness target
     assert gpu_run.figures("job", [])[1] == {"replicas identical after a kill": False}
     assert gpu_run.figures("overhead", [])[1] == {"ft_hsdp / DDP step time <= 1.03": False}
