@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv llm-venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean
+.PHONY: venv llm-venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean gpu-bundle gpu-check gpu-emulate
 
 venv: $(STAMP)
 
@@ -96,3 +96,22 @@ study-smoke: venv
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU path (docs/ARCHITECTURE.md, "The GPU path"). gpu-bundle: the wheels a lent GPU machine lacks
+# (Python 3.12, manylinux x86-64) into gpu-bundle/ (ignored: the device call carries it), the tree and
+# the wheels checked against the 64 MiB a call carries, and the proof: the wheels installed with
+# --no-index into a clean Python 3.12 venv (build/gpu-bundle-venv) where torch, triton and lightning
+# are metadata only, then etcd, gRPC, omegaconf, ... used for real. PY312=/path/to/python3.12 if needed.
+gpu-bundle:
+	$(PY) -m lightning_ft.bench.gpu_bundle build $(if $(PY312),--python312 $(PY312))
+
+# On the lent GPU machine (no network), after gpu-bundle here: install the bundle, then every GPU
+# check within 8 minutes, each step with its own timeout; JSON lines and logs into $$OUT.
+# GPU_ARGS=--dry-run: the same steps on this CPU with tiny sizes.
+gpu-check:
+	bash lightning_ft/bench/gpu_run.sh $(GPU_ARGS)
+
+# The lent image emulated on this CPU (build/gpu-image, about 5 GB, kept): Python 3.12, torch 2.11,
+# Triton 3.6, Lightning 2.6.6; the bundle installed into it with --no-index, then the dry run there.
+gpu-emulate: gpu-bundle
+	$(PY) -m lightning_ft.bench.gpu_bundle emulate $(if $(PY312),--python312 $(PY312))
