@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Generator, Optional, Sequence, TypeVar
 
 from . import keys
 from .addresses import Addresses
@@ -43,6 +44,19 @@ from .round_records import Decision, Halt, History, JobSpec, Quorum, Report, dec
 from .store import Store, StoreError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+def wait_out(steps: Generator[float, None, _T], wake: Any) -> _T:
+    """Run a generator that yields how long to wait for `wake` (a threading.Event) and returns a
+    result: the blocking form of the coordinator's generators."""
+    try:
+        timeout = next(steps)
+        while True:
+            wake.wait(timeout)
+            timeout = steps.send(None)
+    except StopIteration as done:
+        return done.value
 
 KEEP_ROUNDS = 32
 """Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
@@ -71,9 +85,10 @@ class Coordinator:
                  settings: Optional[MembershipSettings] = None, *, run: str = "",
                  on_failure: Optional[Callable[[int, str], None]] = None,
                  on_event: Optional[Callable[..., None]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, event: Callable[[], Any] = threading.Event,
+                 keepalive: bool = True) -> None:
         self.membership = m = Membership(store, job, rid, incarnation, spec, settings, run=run,
-                                         on_failure=on_failure, clock=clock)
+                                         on_failure=on_failure, clock=clock, event=event, keepalive=keepalive)
         self.store, self.rid, self.incarnation, self.spec, self.root = store, rid, incarnation, spec, m.root
         self.on_event = on_event
         self._clock = clock
@@ -148,6 +163,13 @@ class Coordinator:
         Blocks until the round is decided, moving to later rounds while we are left out.
         Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted,
         JobHalted if the job was stopped."""
+        return wait_out(self.quorum_steps(step, timeout_s, cursor, ring_ok, **state), self.membership.wake)
+
+    def quorum_steps(self, step: int, timeout_s: Optional[float] = None, cursor: Optional[int] = None,
+                     ring_ok: bool = True, **state: Any) -> Generator[float, None, Quorum]:
+        """`quorum` as a generator: it yields how long to wait for `membership.wake` (a watch event,
+        a lapsed lease, close) before it looks again, and returns the quorum. `quorum` waits on a
+        thread; the simulator (lightning_ft/sim) waits on its virtual clock."""
         m = self.membership
         deadline = None if timeout_s is None else self._clock() + timeout_s
         # Changes seen from here on count for the round after this one: whatever happened before
@@ -238,7 +260,7 @@ class Coordinator:
             if deadline is not None and self._clock() > deadline:
                 raise QuorumTimeout(f"replica {self.rid}: no quorum for round {round} after {timeout_s:.1f}s; "
                                     f"last reason: {self._last_reason or 'waiting for the decider'}")
-            m.wake.wait(self._poll_s)
+            yield self._poll_s
 
     def _round_key(self, round: int) -> str:
         return keys.quorum(self.root, round)

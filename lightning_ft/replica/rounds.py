@@ -16,9 +16,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Generator, Optional
 
-from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.coordinator import Coordinator, wait_out
 from lightning_ft.coord.quorum import LocalView, adopt_role, must_abort, steady_next
 from lightning_ft.coord.round_records import Quorum
 from lightning_ft.coord.store import StoreError
@@ -84,9 +84,11 @@ class RoundClient:
     """The rounds of one rank; the leader also owns the coordinator's side of them."""
 
     def __init__(self, rid: int, group: ReplicaGroup, ftar: FTAR, digests: Digests, transfer: StateTransfer,
-                 rank_addrs: list[str], settings: Settings, replicas: int) -> None:
+                 rank_addrs: list[str], settings: Settings, replicas: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.rid, self.group, self.ftar, self.digests, self.transfer = rid, group, ftar, digests, transfer
         self.settings, self.replicas = settings, replicas
+        self._clock = clock
         self.rank_addrs = rank_addrs
         """Every rank's FTAR address in this replica (the leader forwards aborts to them)."""
         self.coord: Optional[Coordinator] = None
@@ -104,7 +106,7 @@ class RoundClient:
         self._src_state: tuple[int, Optional[str]] = (-1, None)
         """(round, address): the state server this rank fetches from in that round."""
         self._bg: Optional[ThreadPoolExecutor] = None
-        self._recorded: tuple[int, float] = (-1, time.monotonic())
+        self._recorded: tuple[int, float] = (-1, clock())
         """(round, when) of the last steady round this leader recorded."""
 
     @property
@@ -119,6 +121,12 @@ class RoundClient:
     def next(self, view: RoundView) -> Round:
         """Report and obtain the next round (every rank; the leader talks to etcd), and connect
         the ring if its epoch changed."""
+        return wait_out(self.next_steps(view), self.coord.membership.wake if self.coord is not None else None)
+
+    def next_steps(self, view: RoundView) -> Generator[float, None, Round]:
+        """`next` as a generator: it yields how long to wait for the coordinator's wake (while a
+        full round is decided) and returns the round (the simulator, lightning_ft/sim, runs it on
+        its virtual clock)."""
         t0 = time.perf_counter()
         digest = self.digests.for_report(view.state.step)
         msg: Any = None
@@ -132,7 +140,7 @@ class RoundClient:
                 msg = e
         if self.is_leader and msg is None:
             try:
-                msg, refused = self._full_round(view, digest)
+                msg, refused = yield from self._full_round(view, digest)
             except Exception as e:  # Evicted, QuorumTimeout, JobHalted, StoreError: every rank must exit
                 msg = e
         table = self._peer_table(msg[0]) if self.is_leader and isinstance(msg, tuple) else None
@@ -162,7 +170,7 @@ class RoundClient:
         return Round(q, cursor, read, refused, quorum_s, reconfigure_s, plan)
 
     def _full_round(self, view: RoundView, digest: Optional[tuple[int, str]]
-                    ) -> tuple[tuple, Optional[tuple[int, int]]]:
+                    ) -> Generator[float, None, tuple[tuple, Optional[tuple[int, int]]]]:
         """Leader: record our commits, report, and wait for the round's decision."""
         assert self.coord is not None and self.writer is not None  # the leader's, from start()
         state = view.state
@@ -174,8 +182,8 @@ class RoundClient:
         if view.cursor_stale:  # a failed commit: others may have committed our batch
             cursor, read = max(cursor, ledger.read_cursor(self.writer.store, root, self.rid, state.gen)), True
         report = self._report(view, state, digest)
-        q = self.coord.quorum(state.step, timeout_s=self.settings.quorum_timeout_s, cursor=cursor,
-                              ring_ok=self.ring_ok and not self.ftar.broken, **report)
+        q = yield from self.coord.quorum_steps(state.step, timeout_s=self.settings.quorum_timeout_s, cursor=cursor,
+                                               ring_ok=self.ring_ok and not self.ftar.broken, **report)
         if adopt_role(q, self.rid) == "catchup":
             # Read after the decision: the contributors recorded the previous step (possibly
             # with our batch, if we failed to commit it) before reporting.
@@ -215,7 +223,7 @@ class RoundClient:
                 coord.retract_steady()
             return None
         coord.adopt_steady(nxt)
-        now = time.monotonic()
+        now = self._clock()
         if self.rid == nxt.members[0] and (nxt.round - self._recorded[0] >= RECORD_EVERY
                                            or now - self._recorded[1] >= RECORD_EVERY_S):
             # One leader records some of the steady rounds, off the critical path: a steady round

@@ -44,8 +44,15 @@ def forked() -> None:
     _forked = True
 
 
+PRELOADED = ("python", "torch", "lightning")
+"""The parts a forked process does not have: the zygote imported them before it existed."""
+
+
 def mark(name: str, t: Optional[float] = None) -> None:
-    """Record that this process reached `name` (one of PARTS) now, or at `t`; the first call counts."""
+    """Record that this process reached `name` (one of PARTS) now, or at `t`; the first call counts
+    (a forked process ignores the parts the zygote did for it)."""
+    if _forked and name in PRELOADED:
+        return
     _marks.setdefault(name, time.time() if t is None else t)
 
 
