@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv llm-venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean gpu-bundle gpu-check gpu-emulate
+.PHONY: venv llm-venv lint check test test-slow soak sim demo demo-quorum bench study study-smoke clean gpu-bundle gpu-check gpu-emulate
 
 venv: $(STAMP)
 
@@ -75,6 +75,13 @@ soak: venv
 # 3 replicas of examples/train_lm.py; one is killed mid-run and rejoins (about 1.5 min here)
 demo: venv
 	$(BIN)/python -m lightning_ft.demo
+
+# The whole job simulated in one process on a virtual clock (lightning_ft/sim/job.py): SEEDS seeded
+# schedules of 200 steps and 10 faults each, every promise checked; a failure prints its seed, a
+# shrunk schedule and the command that replays it.
+SEEDS ?= 1000
+sim: venv
+	$(BIN)/python -m lightning_ft.sim.job --seeds 0:$(SEEDS) --jobs 2
 
 demo-quorum: venv
 	$(BIN)/python -m lightning_ft.coord.demo show

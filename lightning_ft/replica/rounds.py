@@ -89,7 +89,10 @@ class RoundClient:
 
     def __init__(self, rid: int, group: ReplicaGroup, ftar: FTAR, digests: Digests, transfer: StateTransfer,
                  rank_addrs: list[str], settings: Settings, replicas: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 background: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
+        """`clock` and `background` (runs a call off the round's path; default: a thread of its
+        own) are the simulator's to replace (lightning_ft/sim)."""
         self.rid, self.group, self.ftar, self.digests, self.transfer = rid, group, ftar, digests, transfer
         self.settings, self.replicas = settings, replicas
         self._clock = clock
@@ -110,6 +113,7 @@ class RoundClient:
         self._src_state: tuple[int, Optional[str]] = (-1, None)
         """(round, address): the state server this rank fetches from in that round."""
         self._bg: Optional[ThreadPoolExecutor] = None
+        self._background = background or self._in_thread
         self._recorded: tuple[int, float] = (-1, clock())
         """(round, when) of the last steady round this leader recorded."""
 
@@ -234,11 +238,14 @@ class RoundClient:
             # writes nothing to etcd; the supervisor's view of the job's step and a joiner's round
             # number lag by at most these. Their end is recorded before a full round's report.
             self._recorded = (nxt.round, now)
-            if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
-                                              initargs=(f"lft-bg-r{self.rid}",))
-            self._bg.submit(coord.record_steady, nxt)
+            self._background(lambda: coord.record_steady(nxt))
         return (nxt, view.state.cursor, False)
+
+    def _in_thread(self, fn: Callable[[], None]) -> None:
+        if self._bg is None:
+            self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
+                                          initargs=(f"lft-bg-r{self.rid}",))
+        self._bg.submit(fn)
 
     def _connect(self, q: Quorum) -> float:
         """Connect FTAR for the ring of `q`'s epoch (a failed exchange always bumps it); the
