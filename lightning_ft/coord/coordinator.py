@@ -189,6 +189,7 @@ class Coordinator:
                                         f"{m.report.round} waited")
             if first or self._clock() - last_get >= self._slow_poll_s:
                 m.check_finished()
+                m.check_halt()
             m.heartbeat()
             m.wake.clear()
             if m.lease_lost.is_set():
@@ -416,11 +417,24 @@ class Coordinator:
         if self._current is not None and self._current.round == round - 1:
             previous = self._current  # ours, possibly a steady round not yet recorded in etcd
         else:
-            prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
-            recorded = decode_round(prev_kv.value) if prev_kv else None
-            previous = recorded if isinstance(recorded, Quorum) else None
+            previous = self._recorded_before(round)
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
+
+    def _recorded_before(self, round: int) -> Optional[Quorum]:
+        """The newest quorum recorded in etcd for a round before `round`. Not all steady rounds are
+        recorded (replica/rounds.py, RECORD_EVERY), and the ones after a recorded round have its
+        members until the next full round (which is always recorded): that round stands for them.
+        None before the job's first round."""
+        if round <= 0:
+            return None
+        kv = self.store.get(self._round_key(round - 1))
+        if kv is None:
+            kvs, _ = self.store.get_prefix(keys.quorum(self.root))
+            older = [k for k in kvs if keys.round_of(k.key) < round]
+            kv = older[-1] if older else None
+        recorded = decode_round(kv.value) if kv is not None else None
+        return recorded if isinstance(recorded, Quorum) else None
 
     def _history(self, reports: dict[int, Report], previous: Optional[Quorum]) -> History:
         """The job's newest committed step, read only when nobody reports past the previous

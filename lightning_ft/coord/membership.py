@@ -183,7 +183,7 @@ class Membership:
         keepalive thread and the failure watches. Do slow initialization *before* this.
         `state`: Report fields describing our state (gen, synced, cursor, ...)."""
         self._check_config()
-        self._check_halt()
+        self.check_halt()
         if self.store.get(keys.evict(self.root, self.rid, self.incarnation)) is not None:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was already evicted; "
                           "restart it with a new incarnation")
@@ -230,7 +230,10 @@ class Membership:
             raise JobFinished(f"the job already finished ({kv.value.decode(errors='replace')}); replica {self.rid} "
                               "has nothing left to train")
 
-    def _check_halt(self) -> None:
+    def check_halt(self) -> None:
+        """Raise JobHalted once the job is halted (a decision every replica obeys, whatever round it
+        reports for: one that missed the halted round, its lease lapsed meanwhile, must not decide
+        rounds alone)."""
         kv = self.store.get(keys.halt(self.root))
         if kv is not None:
             raise JobHalted(json.loads(kv.value)["reason"])
@@ -286,7 +289,9 @@ class Membership:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted while its lease lapsed; "
                           "exiting so the supervisor restarts it")
         log.warning("replica %d: lease lapsed; re-registering as a joiner", self.rid)
-        self._report = replace(self.report, round=max(self.report.round, self.latest_round() + 1))
+        # A joiner's report stands for every round until it is taken in (quorum rule 1): the
+        # newest round recorded in etcd may be one the others passed long ago in steady rounds.
+        self._report = replace(self.report, round=max(self.report.round, self.latest_round() + 1), joining=True)
         self._grant_and_publish()
 
     def publish(self, report: Report) -> None:

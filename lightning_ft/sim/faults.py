@@ -8,6 +8,7 @@ Kinds (what each does to the simulated job: sim/job.py):
                kills a replica it sees hung past its grace)
     slow       a replica computes `factor` times slower for `seconds`
     cut        a replica's FTAR links are cut for `seconds` (etcd still reaches it)
+    isolate    a replica's host is cut off for `seconds`: FTAR and etcd (its lease lapses)
     etcd_loss  the loss of an etcd member: requests fail over (a short outage)
     outage     etcd unreachable for `seconds` (ridden out up to etcd.connect_timeout_s)
     resume     the whole job is killed and started again from its newest checkpoint
@@ -23,9 +24,9 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-KINDS = ("kill", "hang", "slow", "cut", "etcd_loss", "outage", "resume", "corrupt", "veto", "intruder", "late",
-         "spare")
-WEIGHTS = (8, 3, 2, 2, 1, 1, 1, 1, 2, 1, 1, 1)
+KINDS = ("kill", "hang", "slow", "cut", "isolate", "etcd_loss", "outage", "resume", "corrupt", "veto", "intruder",
+         "late", "spare")
+WEIGHTS = (8, 3, 2, 2, 2, 1, 1, 1, 1, 2, 1, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def schedule(seed: int, replicas: int, span_s: float, n: int, kinds: Sequence[st
             several = tuple(sorted(set(range(replicas)) - {rid})) if r < 0.08 else \
                 tuple(sorted(rng.sample(sorted(set(range(replicas)) - {rid}), 1))) if r < 0.25 and replicas > 1 else ()
             out.append(Fault(t, kind, rid, several=several))
-        elif kind in ("hang", "cut"):
+        elif kind in ("hang", "cut", "isolate"):
             out.append(Fault(t, kind, rid, seconds=round(rng.uniform(0.2, 6.0), 3)))
         elif kind == "slow":
             out.append(Fault(t, kind, rid, seconds=round(rng.uniform(1.0, 8.0), 3), factor=round(rng.uniform(2, 6), 2)))

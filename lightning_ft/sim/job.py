@@ -119,6 +119,8 @@ class SimJob:
         self.digests: dict[tuple[int, int], tuple[int, int]] = {}
         """(gen, step) -> (a replica whose commit the ledger accepted, the state digest after it)."""
         self.slow: dict[int, tuple[float, float]] = {}
+        self.isolated: dict[int, float] = {}
+        """rid -> until when its host is cut off (FTAR and etcd: its lease lapses meanwhile)."""
         self.veto: set[int] = set()
         self.spare = False
         self.finals: dict[int, ModelState] = {}
@@ -312,6 +314,8 @@ class SimJob:
             self.slow[f.rid] = (f.factor, self.world.now + f.seconds)
         elif f.kind == "cut":
             self.net.cut[f.rid] = self.world.now + f.seconds
+        elif f.kind == "isolate":
+            self.net.cut[f.rid] = self.isolated[f.rid] = self.world.now + f.seconds
         elif f.kind in ("etcd_loss", "outage"):
             self.store.outage(f.seconds)
         elif f.kind == "resume":

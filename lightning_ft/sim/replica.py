@@ -101,8 +101,12 @@ class SimReplica:
         return f"f{self.rid}:{self.inc}"
 
     # -- etcd as a client sees it: an outage shorter than connect_timeout_s is ridden out --------------
+    def _unreachable(self) -> float:
+        """Until when etcd is out of this replica's reach (an outage, or its host cut off)."""
+        return max(self.store.down_until, self.job.isolated.get(self.rid, -1.0))
+
     def _etcd(self) -> Generator[Any, Any, None]:
-        down = self.store.down_until - self.world.now
+        down = self._unreachable() - self.world.now
         if down > 0:
             if down > self.cfg.etcd_connect_s:
                 yield self.cfg.etcd_connect_s
@@ -128,7 +132,7 @@ class SimReplica:
         """The keepalive thread: every lease_ttl_s / 3 (it stops with its process)."""
         while True:
             yield self.cfg.ttl_s / 3.0
-            if self.coord is not None and self.store.down_until <= self.world.now:
+            if self.coord is not None and self._unreachable() <= self.world.now:
                 self.coord.membership.keepalive_once()
 
     def body(self) -> Generator[Any, Any, None]:
@@ -167,7 +171,7 @@ class SimReplica:
 
     def _background(self, fn: Any) -> None:
         def run() -> None:
-            if self.net.alive.get((self.rid, self.inc)) and self.store.down_until <= self.world.now:
+            if self.net.alive.get((self.rid, self.inc)) and self._unreachable() <= self.world.now:
                 fn()
         self.world.after(0.001, run)
 
