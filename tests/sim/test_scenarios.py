@@ -104,7 +104,8 @@ def test_a_late_joiner_is_taken_in_as_lagging_and_nobody_waits():
 
 
 def test_a_joiner_with_another_secret_is_refused_and_the_job_goes_on():
-    """tests/replica/test_bad_joiners.py, tests/coord/test_coordinator.py::test_joiner_with_different_config_is_refused_by_name"""
+    """tests/replica/test_bad_joiners.py,
+    tests/coord/test_coordinator.py::test_joiner_with_different_config_is_refused_by_name"""
     job = run(Fault(1.0, "intruder", 1))
     assert job.verdict.ok and job.verdict.restarts == 0, job.verdict.violations  # type: ignore[attr-defined]
     assert job.refused == ["ConfigMismatch"]
