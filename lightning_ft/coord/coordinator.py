@@ -413,22 +413,25 @@ class Coordinator:
         for kv in evicts:
             _, rid, inc = kv.key[len(self.root):].split("/")
             evicted.add((int(rid), int(inc)))
-        previous: Optional[Quorum]
-        if self._current is not None and self._current.round == round - 1:
-            previous = self._current  # ours, possibly a steady round not yet recorded in etcd
-        else:
-            previous = self._recorded_before(round)
+        previous = self._recorded_before(round, ours=self._current)
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
 
-    def _recorded_before(self, round: int) -> Optional[Quorum]:
-        """The newest quorum recorded in etcd for a round before `round`. Not all steady rounds are
-        recorded (replica/rounds.py, RECORD_EVERY), and the ones after a recorded round have its
-        members until the next full round (which is always recorded): that round stands for them.
-        None before the job's first round."""
+    def _recorded_before(self, round: int, ours: Optional[Quorum] = None) -> Optional[Quorum]:
+        """The previous round of `round`: the one recorded in etcd as round - 1; else `ours` when
+        it is round - 1 (a steady round nobody recorded); else the newest quorum recorded before
+        `round`. Not all steady rounds are recorded (replica/rounds.py, RECORD_EVERY), and the
+        ones after a recorded round have its members until the next full round (which is always
+        recorded): that round stands for them. A record beats our own view: a replica cut off
+        that trained on alone in steady rounds of its own, under numbers the others reached
+        without it, must not take its own as the job's (the simulator, seed 1095: it decided a
+        rewind alone and trained generation 1's first batches with other contents). None before
+        the job's first round."""
         if round <= 0:
             return None
         kv = self.store.get(self._round_key(round - 1))
+        if kv is None and ours is not None and ours.round == round - 1:
+            return ours
         if kv is None:
             kvs, _ = self.store.get_prefix(keys.quorum(self.root))
             older = [k for k in kvs if keys.round_of(k.key) < round]

@@ -28,7 +28,8 @@ Rules, in order:
    `QUARANTINE_ROUNDS * 2**k` rounds on its k-th exclusion. An FTAR-only partition (etcd
    still reaches both sides) thus ends in a bounded number of rounds.
 6. Valid state. A member's state is usable when it belongs to the job's current history
-   generation (`gen`), or it is an initial state (step 0). M is the highest usable step.
+   generation (`gen`), or it is an initial state (step 0, not disowned: a disowned state
+   reports generation -1 and may hold anything). M is the highest usable step.
 7. Rewind. When M is below the job's newest committed step H (every replica holding it
    died), the job rewinds to T = max(M, newest usable checkpoint <= H): a new generation
    whose first round is a sync round from the replica holding T (or loading the
@@ -227,7 +228,7 @@ def compute_quorum(
     verified = previous.verified_step if previous is not None else -1
 
     # Rules 6-8: usable states, rewind, sync.
-    usable = {r: valid[r].step for r in members if valid[r].gen == gen or valid[r].step == 0}
+    usable = {r: valid[r].step for r in members if valid[r].gen == gen or (valid[r].step == 0 and valid[r].gen >= 0)}
     top = max(usable.values(), default=-1)
     kind, rewind, notes = TRAIN, None, []
     stale: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
@@ -432,14 +433,18 @@ class LocalView:
     """A watch reported a change since the round was adopted: a failure, an eviction, a
     joiner or a new incarnation, or our own lease lapsed."""
     digest_due: bool
-    """State version q.max_step + 1 is a digest step (digests are compared in full rounds).
-    Judged from the round, not from this replica's step, so every member agrees."""
+    """Digests of state version q.max_step + 1 are compared in a full round: round q's ring found
+    the members' digests disagreeing (replica/guard.py). Every member that committed q read the
+    same sums, so every one of them agrees."""
     stop: bool = False
     """This replica asks to stop."""
     opt: int = 0
     """The optimizer this replica's next round steps (rule 15)."""
     cont: bool = False
     """Its next round continues the batch of round q (rule 15)."""
+    verified: int = -1
+    """q.max_step when the members' digests of it agreed on round q's ring, else -1 (the same on
+    every member that committed q)."""
 
 
 def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
@@ -468,6 +473,7 @@ def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
                    shrunk=stragglers.effective(q.shrink_next, q.contributors) if not view.cont else (),
                    slot_cursors=tuple(c + d for c in q.slot_cursors), strikes=0, steady=True,
                    opt=view.opt, cont=view.cont, first=q.first if view.cont else view.opt,
+                   verified_step=max(q.verified_step, view.verified),
                    reason=f"round {nxt} epoch {q.epoch}: steady ({len(q.members)} replicas, unchanged since round "
                           f"{q.round}); max_step {q.max_step + 1}")
 
@@ -480,7 +486,7 @@ def steady_eligible(q: Quorum) -> bool:
 
 
 def _full_anyway(q: Quorum, view: LocalView) -> bool:
-    """Reasons every member sees alike: a digest step, or the periodic full round."""
+    """Reasons every member sees alike: digests that disagreed on the ring, or the periodic full round."""
     return view.digest_due or (q.max_step + 1) % MAX_STEADY_STEPS == 0
 
 

@@ -9,6 +9,8 @@ import logging
 import time
 from typing import Any, Optional
 
+import torch
+
 from lightning_ft.coord.coordinator import Coordinator
 from lightning_ft.ftar.engine import FTAR
 from lightning_ft.ftar.ring import neighbours
@@ -94,6 +96,12 @@ class Exchange:
             err = e
         self.seconds = time.perf_counter() - self._t0
         return err
+
+    def send_digest(self, vector: list[float]) -> tuple[Any, Any]:
+        """A steady round's digest comparison (replica/guard.py): sum `vector` over the ring after
+        the gradients. Returns (the tensor the sums land in, its Work)."""
+        t = torch.tensor(vector, dtype=torch.float32, device=self.buckets.flat.device)
+        return t, self.ftar.allreduce([t])
 
     def write_grads(self) -> None:
         """The averaged gradients as the parameters' gradients (nothing to copy: views)."""

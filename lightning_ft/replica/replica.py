@@ -365,10 +365,10 @@ class Replica:
         self.event("disowned", steps=list(refused))
 
     # -- state transfer ----------------------------------------------------------------------------
-    def fetch_from(self, addr: str, step: int, src: int, deadline_s: float) -> int:
-        """Fetch version `step` of replica `src`'s state (this rank's shard, from `addr`): OK,
-        FAILED (nothing written) or LOST (partly overwritten)."""
-        vote, meta = self.transfer.fetch(addr, step, src, deadline_s)
+    def fetch_from(self, addr: str, step: int, src: int, deadline_s: float, gen: int) -> int:
+        """Fetch version `step` of generation `gen` of replica `src`'s state (this rank's shard,
+        from `addr`): OK, FAILED (nothing written) or LOST (partly overwritten)."""
+        vote, meta = self.transfer.fetch(addr, step, src, deadline_s, gen)
         if meta is not None:
             self.state = replace(self.state, batches=int(meta.get("batches", step)))
             s = self.transfer.stats

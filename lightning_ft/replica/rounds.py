@@ -222,9 +222,9 @@ class RoundClient:
         q = coord.current
         if q is None:
             return None
-        lv = LocalView(committed=view.committed_round == q.round, changed=coord.changed,
-                       digest_due=self.digests.due(q.max_step + 1), stop=view.stop, opt=view.phase[0],
-                       cont=view.phase[1])
+        disagreed, verified = self.digests.after(q)
+        lv = LocalView(committed=view.committed_round == q.round, changed=coord.changed, digest_due=disagreed,
+                       stop=view.stop, opt=view.phase[0], cont=view.phase[1], verified=verified)
         nxt = steady_next(q, lv)
         if nxt is None:
             if must_abort(q, lv):

@@ -47,6 +47,8 @@ class Step:
         self.r = replica
         self.veto = False
         """The caller's answer to CHECK: the averaged gradients failed its check; retry the step."""
+        self.replaced = False
+        """A fetch replaced this rank's state in this round (a catch-up or an adoption)."""
         self.share: Optional[tuple[int, int]] = None
         """The caller's answer to COMPUTE when it can be shrunk: (micro-batches of its slot batch
         it computed, of how many), so the straggler measure counts a whole slot batch."""
@@ -124,6 +126,10 @@ class Step:
         healthy state meanwhile); this rank's vote."""
         r = self.r
         works = r.exchange.send(plan, save_grads)
+        ring = None
+        if r.digests.ring_due(plan.quorum):  # a steady round compares digests on the ring, after the gradients
+            ring = r.exchange.send_digest(r.digests.ring_vector(plan.quorum))
+            works = [*works, ring[1]]
         vote = OK
         if plan.lagging and plan.opt < 0:  # which optimizer the contributors step is not known: retry
             vote = FAILED
@@ -133,6 +139,9 @@ class Step:
         if err is not None:
             r.rounds.exchange_failed(plan.quorum, err)
             vote = min(vote, FAILED)
+        if ring is not None and err is None and not r.digests.ring_verdict(plan.quorum, ring[0].tolist()):
+            log.warning("replica %d rank %d: the replicas' digests of step %d disagree on the ring; the next round "
+                        "compares them in etcd", r.rid, r.rank, plan.quorum.max_step)
         if vote == OK:
             r.exchange.write_grads()
             if plan.contribute and r.scaler is not None:
@@ -151,7 +160,8 @@ class Step:
             log.warning("replica %d rank %d: no state-server address of replica %d for round %d (it is gone)",
                         r.rid, r.rank, src, q.round)
             return FAILED
-        vote = r.fetch_from(addr, plan.step, src, deadline_s)
+        vote = r.fetch_from(addr, plan.step, src, deadline_s, q.gen)
+        self.replaced = self.replaced or vote == OK
         if vote == OK:
             st = r.stats
             log.info("replica %d rank %d %s step %d from replica %d: %.1f MB in %.3fs (%.2f GB/s)", r.rid,
@@ -162,6 +172,7 @@ class Step:
     def _retry(self, plan: StepPlan) -> None:
         """A round's vote failed: the step is retried in a new round."""
         r = self.r
+        self._fetched_in_vain()
         if r.scaler is not None:
             r.scaler.reset()
         r.stepped_optimizer(plan).zero_grad(set_to_none=True)
@@ -169,10 +180,22 @@ class Step:
         r.stats.retries += 1
         r.rounds.ring_ok = False  # peers may be mid-collective: rebuild the ring next round
 
+    def _fetched_in_vain(self) -> None:
+        """The round failed after a fetch replaced our state (on some rank): we hold the source's
+        version, or a mix of versions over the ranks, not the step we claim, so the state is
+        disowned until we adopt or catch up again (never a source: the simulator, seed 1496: a
+        catch-up that fetched step 31 and lost its round was then the source of a rewind to step
+        0, as if it held the initial state)."""
+        r = self.r
+        if r.group.any(self.replaced):
+            r.state = r.state.disown()
+        self.replaced = False
+
     def _apply(self, plan: StepPlan) -> None:
         """Every rank voted OK: apply the optimizer step with the plan's LR factor (or skip it on
         every replica alike, fp16 overflow), and advance the replica's state."""
         r = self.r
+        self.replaced = False  # the fetched state is ours now: the round commits it
         opt = r.stepped_optimizer(plan)
         r.stats.freeze_s = r.transfer.freeze()
         skip = r.scaler.overflowed(r.group.any) if r.scaler is not None else False
@@ -228,7 +251,9 @@ class Step:
         else:
             vote = self._fetch(plan, deadline_s=r.settings.sync_timeout_s)
         if not sync.agreed(r, q, vote):
+            self._fetched_in_vain()
             return False
+        self.replaced = False
         r.state = r.state.adopted(q.max_step, q.gen, (q.round, q.epoch))
         # Our slot's cursor in the round's generation, whatever generation our cursor was read in: a
         # replica whose adoption in a rewind failed, and that is the source of a later sync round of

@@ -159,6 +159,12 @@ class SimJob:
                 self.violations.append(f"t={self.world.now:.3f}: replicas {seen[0]} and {r.rid} both recorded a "
                                        f"commit of generation {gs[0]} step {gs[1]} with different states")
 
+    def check_source(self, r: SimReplica, q: Quorum) -> None:
+        """The source of a sync round serves the state it claims: the step it reported."""
+        if r.model.step != q.max_step:
+            self.violations.append(f"t={self.world.now:.3f}: replica {r.rid} is the source of step {q.max_step} "
+                                   f"(round {q.round}) but holds a state at step {r.model.step}")
+
     def check_step(self, r: SimReplica, plan: StepPlan, trained: tuple) -> None:
         """A commit applies exactly the round's batches, on the state of the step it commits."""
         if r.model.step != plan.step:
@@ -302,7 +308,13 @@ class SimJob:
         self.world.after(self.cfg.restart_s * 2, again)
 
     def intruder(self, rid: int) -> None:
-        """A process with another secret (another fingerprint) tries to join as replica `rid`."""
+        """A process with another secret (another fingerprint) tries to join the running job as
+        replica `rid`. It comes once the job exists (a replica registered its config): the first
+        process to register defines the job, so one that comes before every replica of the job
+        starts a job of its own, and the job's replicas are the ones refused (seed 1484)."""
+        if self.store.down_until > self.world.now or self.store.get(keys.config(self.root)) is None:
+            self.world.after(0.1, self.intruder, rid)
+            return
         r = SimReplica(self, rid, 97, ModelState(), fingerprint={**self.spec.fingerprint, "secret_tag": "other"})
         p = self.world.spawn(f"intruder{rid}", r.body())
         def refused(p: Proc) -> None:

@@ -49,6 +49,10 @@ class Exchange:
     """(rid, incarnation) of each member, in ring order."""
     subs: dict[int, tuple] = field(default_factory=dict)
     """rid -> what it trained (empty: zeros)."""
+    vectors: dict[int, list[float]] = field(default_factory=dict)
+    """rid -> its digest vector, in a round that compares digests on the ring (replica/guard.py)."""
+    sums: Optional[list[float]] = None
+    """The digest vectors' sums, once complete."""
     done: Optional[SimEvent] = None
     result: Optional[tuple] = None
     failed: dict[int, tuple[str, int]] = field(default_factory=dict)
@@ -78,9 +82,10 @@ class Net:
 
     # -- the ring -----------------------------------------------------------------------------------
     def submit(self, rid: int, epoch: int, step: int, members: tuple[tuple[int, int], ...], trained: tuple,
-               ftar: "SimFTAR") -> Optional[Exchange]:
-        """Member `rid` sends its part of the all-reduce of ring `epoch` at `step` (None: its ring
-        is not connected, the exchange fails at once)."""
+               ftar: "SimFTAR", vector: Optional[list[float]] = None) -> Optional[Exchange]:
+        """Member `rid` sends its part of the all-reduce of ring `epoch` at `step`, and its digest
+        vector after it if the round compares digests (None: its ring is not connected, the
+        exchange fails at once)."""
         if ftar.broken or ftar.epoch != epoch or any((m, epoch) in self.closed for m, _ in members):
             return None
         key = (epoch, step)
@@ -90,6 +95,8 @@ class Net:
             while len(self.exchanges) > 256:
                 del self.exchanges[next(iter(self.exchanges))]
         ex.subs[rid] = trained
+        if vector is not None:
+            ex.vectors[rid] = vector
         ftar.current = ex
         if len(ex.subs) == len(members) and not ex.failed:
             self.world.after(self.xfer_s, self._complete, key, ex)
@@ -129,6 +136,8 @@ class Net:
             if not late:
                 return
         ex.result = tuple(sorted(b for t in ex.subs.values() for b in t))
+        if ex.vectors:
+            ex.sums = [sum(col) for col in zip(*ex.vectors.values(), strict=True)]
         assert ex.done is not None
         ex.done.set()
 

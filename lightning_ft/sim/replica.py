@@ -29,6 +29,7 @@ from lightning_ft.replica.catchup.ending import _read as read_done, pending, rea
 from lightning_ft.replica.core import (Action, Applied, Checked, Do, Done, Ended, Event, Exchanged, FinalAdopted,
                                        Planned, Probed, Restored, StepCore, StepSpec, Synced, Voted, own_optimizer)
 from lightning_ft.replica.group import ReplicaGroup
+from lightning_ft.replica.catchup.transfer import wire_version
 from lightning_ft.replica.guard import Digests
 from lightning_ft.replica.plan import FAILED, LOST, OK, ReplicaStateLost, StepPlan, StepResult
 from lightning_ft.replica.replica_state import ReplicaState
@@ -95,6 +96,8 @@ class SimReplica:
         self.own: dict[tuple[int, int], int] = {}
         """(gen, step) -> the state digest after we committed it (untainted states only)."""
         self.done = False
+        self.replaced = False
+        """A fetch replaced our state in this round (replica/step.py)."""
 
     @property
     def addr(self) -> str:
@@ -236,6 +239,8 @@ class SimReplica:
             assert self.rounds is not None
             self.grads, self.cursor_stale = (), True
             self.rounds.ring_ok = False
+            if self.replaced:  # replica/step.py `_fetched_in_vain`
+                self.state, self.replaced = self.state.disown(), False
             return Done()
         if do is Do.RESTORE:
             ok = self.saved is not None
@@ -286,7 +291,8 @@ class SimReplica:
         members = tuple(zip(q.members, q.incarnations, strict=True))
         trained = self.grads if plan.contribute else ()
         self.saved = self.grads if save_grads and plan.contribute else None
-        ex = self.net.submit(self.rid, q.epoch, plan.step, members, trained, self.ftar)
+        ring = self.digests.ring_vector(q) if self.digests.ring_due(q) else None
+        ex = self.net.submit(self.rid, q.epoch, plan.step, members, trained, self.ftar, ring)
         vote = OK
         if plan.lagging:  # fetch the healthy state while our zeros are on the wire
             vote = yield from self._fetch(plan, self.cfg.ftar_timeout_s)
@@ -297,16 +303,22 @@ class SimReplica:
             vote = min(vote, FAILED)
         else:
             self.result = result
+            if ring is not None:
+                assert ex is not None and ex.sums is not None and len(ex.vectors) == len(members), "half-compared"
+                if not self.digests.ring_verdict(q, ex.sums):
+                    self.job.note(self, f"digests of {q.max_step} disagree on the ring")
         return vote
 
     def _fetch(self, plan: StepPlan, deadline_s: float) -> Generator[Any, Any, int]:
         q = plan.quorum
         src = q.contributors[self.rid % len(q.contributors)]
-        vote, got = yield from self.net.fetch((src, q.incarnations[q.index(src)]), plan.step, deadline_s)
+        vote, got = yield from self.net.fetch((src, q.incarnations[q.index(src)]), wire_version(q.gen, plan.step),
+                                              deadline_s)
         if vote == OK:
             assert got is not None
             self.model = got
             self.state = replace(self.state, batches=got.batches)
+            self.replaced = True
         elif vote == LOST:
             self.model = ModelState(-1, -1, -1)  # partly overwritten
         return vote
@@ -314,6 +326,7 @@ class SimReplica:
     def _apply(self, plan: StepPlan) -> None:
         q = plan.quorum
         trained = self.result or ()
+        self.replaced = False
         self.job.check_step(self, plan, trained)
         self.model = self.model.applied(plan.step, trained, plan.lr_factor)
         self.state = self.state.committed(plan.step, q.gen, (q.round, q.epoch), trained=plan.role == "train",
@@ -354,8 +367,9 @@ class SimReplica:
                         self.store.delete(kv.key)
                 self.job.rewound(self, q, T)
             if vote == OK:
+                self.job.check_source(self, q)
                 self.model = replace(self.model, step=q.max_step)
-                self.net.publish(self.rid, self.inc, q.max_step, self.model)
+                self.net.publish(self.rid, self.inc, wire_version(q.gen, q.max_step), self.model)
         else:
             vote = yield from self._fetch(plan, self.cfg.sync_timeout_s)
         if vote == LOST:
@@ -363,6 +377,7 @@ class SimReplica:
         if vote != OK:
             return Synced(False, self.state.cursor)
         self.state = self.state.adopted(q.max_step, q.gen, (q.round, q.epoch))
+        self.replaced = False
         yield from self._etcd()  # our cursor in the round's generation (replica/step.py)
         self.state = replace(self.state, cursor=ledger.read_cursor(self.store, root, self.rid, q.gen))
         self.digests.take(self.state.step, self.model.digest)
@@ -371,7 +386,7 @@ class SimReplica:
     def publish_for(self, q: Quorum, rid: int, rank: int, step: int, batches: int) -> None:
         """The round client's `StateTransfer.publish_for`: serve our state to the lagging."""
         if adopt_role(q, rid) == "train" and self.model.step == step:
-            self.net.publish(self.rid, self.inc, step, self.model)
+            self.net.publish(self.rid, self.inc, wire_version(q.gen, step), self.model)
 
     def _checkpoint(self, plan: StepPlan) -> Generator[Any, Any, None]:
         """The writer (the lowest-id contributor) saves every ckpt_every steps, after recording
@@ -396,7 +411,7 @@ class SimReplica:
         assert self.coord is not None and self.writer is not None
         yield from self._etcd()
         root, step = self.coord.root, self.state.step
-        self.net.publish(self.rid, self.inc, step, self.model)
+        self.net.publish(self.rid, self.inc, wire_version(self.state.gen, step), self.model)
         if self.writer.flush() is not None:
             self.state = self.state.disown()
         record = json.dumps({"step": step, "rid": self.rid, "incarnation": self.inc}).encode()
@@ -404,7 +419,8 @@ class SimReplica:
             first = read_finished(self.store, root)
             if first is not None and int(first["step"]) < step:
                 self.store.put(keys.finished(root), record)
-        self.store.put(keys.done(root, self.rid), json.dumps({"step": step, "incarnation": self.inc}).encode())
+        self.store.put(keys.done(root, self.rid), json.dumps({"step": step, "incarnation": self.inc,
+                                                                  "gen": self.state.gen}).encode())
         plan = self.last_plan
         others: list[tuple[int, Optional[int]]] = []
         if plan is not None:
@@ -433,7 +449,9 @@ class SimReplica:
         step = int(rec["step"])
         done, alive = read_done(self.store, root)
         for rid in sorted(r for r, s in done.items() if s == step and r in alive and r != self.rid):
-            vote, got = yield from self.net.fetch((rid, alive[rid]), step, self.cfg.linger_s)
+            kv = self.store.get(keys.done(root, rid))
+            gen = int(json.loads(kv.value).get("gen", 0)) if kv is not None else 0
+            vote, got = yield from self.net.fetch((rid, alive[rid]), wire_version(gen, step), self.cfg.linger_s)
             if vote == LOST:
                 raise ReplicaStateLost(f"replica {self.rid}: fetching the final state failed midway")
             if vote == OK:

@@ -544,6 +544,15 @@ def test_rounds_that_are_not_settled_are_followed_by_full_rounds(change):
     assert not must_abort(q, LocalView(committed=False, changed=True, digest_due=False))
 
 
+def test_digests_that_agreed_on_the_ring_verify_the_round_s_step_in_the_next_steady_round():
+    q = _settled(verified_step=0)
+    n = steady_next(q, LocalView(committed=True, changed=False, digest_due=False, verified=q.max_step))
+    assert n.verified_step == q.max_step
+    assert steady_next(n, CALM).verified_step == q.max_step  # carried on
+    # a digest step alone no longer makes a full round: the steady round compares on the ring
+    assert steady_next(_settled(max_step=20), CALM) is not None
+
+
 def test_a_quarantine_that_ends_later_does_not_stop_steady_rounds():
     assert steady_next(_settled(quarantine=((4, 30, 1),)), CALM) is not None
 
@@ -554,7 +563,7 @@ def test_who_must_abort_the_ring():
     assert must_abort(q, LocalView(committed=True, changed=True, digest_due=False))    # we saw a joiner
     assert must_abort(q, LocalView(committed=True, changed=False, digest_due=False, stop=True))
     assert not must_abort(q, CALM)                                                     # we go steady too
-    # everyone goes full at a digest step: no need to break the ring
+    # everyone goes full after digests disagreed on the ring (all read the same sums): no need to break it
     assert not must_abort(q, LocalView(committed=True, changed=False, digest_due=True))
     assert not must_abort(q, LocalView(committed=True, changed=True, digest_due=True))
 

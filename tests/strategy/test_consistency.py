@@ -32,16 +32,18 @@ def test_corrupted_replica_is_detected_healed_and_ends_identical(tmp_path, etcd_
     run = lft_run(tmp_path, etcd_endpoint, "--steps", "30", "--step-sleep", "0.02", replicas=3,
                   overrides=("consistency.every_n_steps=5", "failure.events=[{replica: 1, step: 12, kind: corrupt}]"))
     assert run.proc.returncode == 0, ok(run)
+    # the digests of step 15 disagree on a steady round's ring; every replica digests step 16 and
+    # its full round names the diverged replica (replica/guard.py)
     div = [e for e in run.events if e["event"] == "diverged"]
-    assert len(div) == 1 and div[0]["replica"] == 1 and div[0]["step"] == 15, run.events
+    assert len(div) == 1 and div[0]["replica"] == 1 and div[0]["step"] == 16, run.events
     assert div[0]["digest"] != div[0]["majority"]
     assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1, run.finals
     assert run.ledger.ok and run.ledger.steps == 30, run.ledger
-    # replica 1 healed by a catch-up in the round of step 15, then trained its batch
+    # replica 1 healed by a catch-up in the round of step 16, then trained its batch
     import json
 
     rows = [json.loads(l) for l in open(os.path.join(run.run_dir, "replica_1", "steps.jsonl"))]
-    assert [r["step"] for r in rows if r["caught_up"] and r["role"] == "train"] == [17], rows
+    assert [r["step"] for r in rows if r["caught_up"] and r["role"] == "train"] == [18], rows
 
 
 def test_a_healed_replica_stays_identical_under_a_schedule_that_changes_every_step(tmp_path, etcd_endpoint):
@@ -53,7 +55,7 @@ def test_a_healed_replica_stays_identical_under_a_schedule_that_changes_every_st
                   overrides=("consistency.every_n_steps=5", "failure.events=[{replica: 1, step: 12, kind: corrupt}]"))
     assert run.proc.returncode == 0, ok(run)
     div = [(e["replica"], e["step"]) for e in run.events if e["event"] == "diverged"]
-    assert div == [(1, 15)], run.events
+    assert div == [(1, 16)], run.events
     assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1, run.finals
     assert run.ledger.ok and run.ledger.steps == 40, run.ledger
     # every replica stepped with the same learning rate at every step, the healed one included
@@ -69,7 +71,7 @@ def test_two_replicas_that_disagree_stop_the_job_and_keep_the_verified_checkpoin
                   overrides=("consistency.every_n_steps=5", "checkpoint.every_n_steps=5",
                              "failure.events=[{replica: 1, step: 12, kind: corrupt}]"))
     assert run.proc.returncode == 86, ok(run)
-    assert "the job halted: replica states diverged at step 15 and no majority agrees: r0=" in run.proc.stdout, ok(run)
+    assert "the job halted: replica states diverged at step 16 and no majority agrees: r0=" in run.proc.stdout, ok(run)
     assert "r1=" in run.proc.stdout
     halts = [e for e in run.events if e["event"] in ("halt", "job_halted")]
     assert halts, run.events

@@ -98,7 +98,8 @@ def finish(mgr: Replica, linger_s: float) -> None:
     `finished` and `done`, and linger while a member that is behind may still fetch it."""
     others = _others(mgr)
     if others and mgr.started:
-        mgr.transfer.publish(mgr.step, mgr.batches, {f"{r}/{k}" for r, _ in others for k in range(mgr.world)})
+        mgr.transfer.publish(mgr.step, mgr.batches, {f"{r}/{k}" for r, _ in others for k in range(mgr.world)},
+                             mgr.state.gen)
     if mgr.is_leader:
         store, root = mgr.store, mgr.root
         mgr.flush_ledger()
@@ -107,7 +108,8 @@ def finish(mgr: Replica, linger_s: float) -> None:
             first = read_finished(store, root)  # a replica that finished first: its record stays
             if first is not None and int(first["step"]) < mgr.step:
                 store.put(keys.finished(root), record)
-        store.put(keys.done(root, mgr.rid), json.dumps({"step": mgr.step, "incarnation": mgr.incarnation}).encode())
+        store.put(keys.done(root, mgr.rid), json.dumps({"step": mgr.step, "incarnation": mgr.incarnation,
+                                                        "gen": mgr.state.gen}).encode())
         t0 = time.monotonic()
         late: list[int] = []
         while others:
@@ -125,9 +127,9 @@ def finish(mgr: Replica, linger_s: float) -> None:
     mgr.broadcast(None)  # every rank serves until the leader stops waiting
 
 
-def _final_source(mgr: Replica) -> Optional[tuple[int, int, list[str]]]:
-    """Leader: (the final step, a done replica at it, its ranks' state-server addresses) when
-    this replica is behind a finished job it trained in, else None."""
+def _final_source(mgr: Replica) -> Optional[tuple[int, int, list[str], int]]:
+    """Leader: (the final step, a done replica at it, its ranks' state-server addresses, the
+    generation it ended in) when this replica is behind a finished job it trained in, else None."""
     store, root = mgr.store, mgr.root
     rec = read_finished(store, root)
     if rec is None or not mgr.synced:
@@ -139,7 +141,9 @@ def _final_source(mgr: Replica) -> Optional[tuple[int, int, list[str]]]:
     for rid in sorted(r for r, s in done.items() if s == step and r in alive and r != mgr.rid):
         addrs = mgr.coord.addresses(rid, alive[rid])
         if addrs is not None and len(addrs[1]) == mgr.world:
-            return step, rid, list(addrs[1])
+            kv = store.get(keys.done(root, rid))
+            gen = int(json.loads(kv.value).get("gen", 0)) if kv is not None else 0
+            return step, rid, list(addrs[1]), gen
     return None
 
 
@@ -156,9 +160,9 @@ def adopt_final(mgr: Replica, linger_s: float) -> bool:
     src = mgr.broadcast(src)
     if src is None:
         return False
-    step, rid, addrs = src
+    step, rid, addrs, gen = src
     t0 = time.perf_counter()
-    vote = mgr.group.vote(mgr.fetch_from(addrs[mgr.rank], step, rid, deadline_s=linger_s))
+    vote = mgr.group.vote(mgr.fetch_from(addrs[mgr.rank], step, rid, deadline_s=linger_s, gen=gen))
     if vote == LOST:
         raise ReplicaStateLost(f"replica {mgr.rid}: fetching replica {rid}'s final state failed midway; the state "
                                "is partly overwritten")

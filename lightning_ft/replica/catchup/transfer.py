@@ -31,6 +31,15 @@ from lightning_ft.replica.state import materialize_optimizer_state, state_tensor
 log = logging.getLogger(__name__)
 
 
+def wire_version(gen: int, step: int) -> int:
+    """A publication's version on the wire: the state's generation and step. A rewind makes a
+    step again with other contents in a new generation, and a server may still hold the old
+    one: a fetcher that asked for the step alone took it (the simulator, seed 1496: a rewind's
+    adopter fetched its source's publication of step 0 from the previous rewind). An older
+    generation's publication reads as not yet published; a newer one as moved on."""
+    return (max(gen, 0) << 32) | step
+
+
 @dataclass
 class StateExtras:
     """What travels with a rank's tensors besides the optimizer's: set by the replica's caller
@@ -72,21 +81,22 @@ class StateTransfer:
             "callbacks": self.extras.callbacks.state_dict() if self.extras.callbacks is not None else None,
         }
 
-    def publish(self, step: int, batches: int, expected: set[str]) -> None:
-        """Serve state version `step` to the fetchers named in `expected` ("{rid}/{rank}")."""
-        self.transport.publish(step, self.tensors(), self.meta(step, batches), expected)
+    def publish(self, step: int, batches: int, expected: set[str], gen: int) -> None:
+        """Serve state version `step` of generation `gen` to the fetchers named in `expected`
+        ("{rid}/{rank}")."""
+        self.transport.publish(wire_version(gen, step), self.tensors(), self.meta(step, batches), expected)
 
     def publish_for(self, q: Quorum, rid: int, rank: int, step: int, batches: int) -> None:
         """A contributor of round `q`: serve our state to the lagging members that fetch this
         rank's shard from us (`contributors[(lagging + rank) % len]`)."""
         expected = {f"{lag}/{rank}" for lag in q.lagging
                     if q.contributors[(lag + rank) % len(q.contributors)] == rid}
-        self.publish(step, batches, expected)
+        self.publish(step, batches, expected, q.gen)
 
-    def fetch(self, addr: str, step: int, src: int, deadline_s: float) -> tuple[int, Optional[dict]]:
-        """Fetch version `step` of replica `src`'s state (this rank's shard, from `addr`) into our
-        tensors and apply its meta. Returns (vote, meta): OK, FAILED (nothing written) or LOST
-        (partly overwritten)."""
+    def fetch(self, addr: str, step: int, src: int, deadline_s: float, gen: int) -> tuple[int, Optional[dict]]:
+        """Fetch version `step` of generation `gen` of replica `src`'s state (this rank's shard,
+        from `addr`) into our tensors and apply its meta. Returns (vote, meta): OK, FAILED
+        (nothing written) or LOST (partly overwritten)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + deadline_s
         materialize_optimizer_state(self.optimizer)
@@ -94,14 +104,14 @@ class StateTransfer:
         while True:
             try:
                 with torch.no_grad():
-                    meta, stats = self.transport.fetch(addr, step, into, self.who,
+                    meta, stats = self.transport.fetch(addr, wire_version(gen, step), into, self.who,
                                                        timeout_s=max(10.0, self.fetch_timeout_s),
                                                        param_groups=self.optimizer.param_groups)
                 break
             except CatchupError as e:
                 # The source publishes right after it gets the same quorum (or, in a rewind, after
                 # it loaded the checkpoint); we may be early.
-                if e.not_yet_published(step) and time.monotonic() < deadline:
+                if e.not_yet_published(wire_version(gen, step)) and time.monotonic() < deadline:
                     time.sleep(0.002)
                     continue
                 log.warning("%s: catch-up from replica %d failed: %s", self.who, src, e)
