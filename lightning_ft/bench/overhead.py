@@ -240,12 +240,14 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(got["ft"][0] / got[peer][0])
             cpu_ratios.append(got["ft"][1]["total"] / got[peer][1]["total"])
         if a.only_ft:
-            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "steps": a.steps, "warmup": a.warmup,
+            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "width": a.width, "depth": a.depth,
+                              "steps": a.steps, "warmup": a.warmup,
                               "set": a.set, "ft_step_s": round(statistics.median(step_s["ft"]), 5),
                               "cpu_ms": _median_account(accounts["ft"]), "loadavg": os.getloadavg()[0]}), flush=True)
             continue
         ft_s, ref_s = statistics.median(step_s["ft"]), statistics.median(step_s[peer])
-        print(json.dumps({"bench": bench, "procs": procs, "params": params, "batch_per_proc": a.batch,
+        print(json.dumps({"bench": bench, "procs": procs, "width": a.width, "depth": a.depth, "params": params,
+                          "batch_per_proc": a.batch,
                           "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
                           "ft_step_s": round(ft_s, 5), f"{peer}_step_s": round(ref_s, 5),
                           "ratio": round(statistics.median(ratios), 4), "ratios": [round(x, 4) for x in ratios],
