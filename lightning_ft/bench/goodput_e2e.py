@@ -351,6 +351,8 @@ def run_ft(a: argparse.Namespace, d: str) -> dict:
             "failures": len(s["failures"]), "restarts": s["restarts"],
             "standby_restarts": s["standby_restarts"], "lost_steps": sum(r["lost_steps"] for r in s["rewinds"]),
             "kill_steps": kills, "identical": s["identical"], "ett": s["ett"],
+            "straggler_events": len(s["stragglers"]),
+            "steps_short": sum(1 for _, w in last.values() if w < 1),
             "down_s": [f["down_s"] for f in s["failures"]],
             "healthy_stall_s": [f["healthy_stall_s"] for f in s["failures"]]}
 
