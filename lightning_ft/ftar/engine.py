@@ -320,7 +320,7 @@ class FTAR:
                     self.transport.send_fatal(self._header(ring, torch.empty(0), 0, 0, 0, 0), str(e))
                     with self._lock:
                         self._broken = e
-                    work._finish(e)
+                    self._finish_failed(work, e)
                 except RecoverableError as e:
                     with self._lock:
                         aborted = self._broken
@@ -331,15 +331,24 @@ class FTAR:
                     # Close our links now, so that the neighbours fail at once instead of at
                     # their timeouts; the next reconfigure builds new ones.
                     self.transport.abort(f"the all-reduce failed: {e}")
-                    work._finish(e)
+                    self._finish_failed(work, e)
                 except Exception as e:  # a local device error or a bug: fatal, but never a hang
                     err = FatalError(f"FTAR control thread failed: {type(e).__name__}: {e}")
                     with self._lock:
                         self._broken = err
-                    work._finish(err)
+                    self._finish_failed(work, err)
             with self._lock:
                 if self._queue.empty():
                     self._idle.set()
+
+    def _finish_failed(self, work: Work, error: BaseException) -> None:
+        """Fail `work` once nothing of ours writes its tensors any more (a tcp link's reader)."""
+        try:
+            self.transport.quiesce(self.timeout_s)
+        except FatalError as e:
+            log.error("%s", e)
+            error = e
+        work._finish(error)
 
     def _header(self, ring: Ring, t: torch.Tensor, part: int, step: int, chunk: int, nbytes: int) -> ChunkHeader:
         return ChunkHeader(KIND_DATA, self._job, ring.epoch, self._seq, part, step, chunk,

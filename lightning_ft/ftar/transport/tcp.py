@@ -234,6 +234,8 @@ class TcpRx(RxLink):
         self._taken = 0
         self._error: Optional[BaseException] = None
         self._closing = False
+        self._busy = False
+        """The reader is between taking an expected chunk and landing it (writing the user's memory)."""
         self._reader: Optional[threading.Thread] = None
 
     # -- read-ahead ---------------------------------------------------------------------------------
@@ -251,27 +253,54 @@ class TcpRx(RxLink):
 
     def _read_ahead(self) -> None:
         i = 0
-        while True:
-            with self._cv:
-                while not self._closing and i >= len(self._plan):
-                    self._cv.wait()
-                if self._closing:
-                    return
-                hdr, dest, dest_bytes, reduce = self._plan[i]
-            try:
-                if reduce:
-                    self._read_reduce(hdr, dest)
-                else:
-                    self._read(hdr, dest_bytes, 0.0)
-            except BaseException as e:  # the control thread raises it at its next wait
+        try:
+            while True:
                 with self._cv:
-                    self._error = e
+                    while not self._closing and i >= len(self._plan):
+                        self._cv.wait()
+                    if self._closing:
+                        return
+                    hdr, dest, dest_bytes, reduce = self._plan[i]
+                    self._busy = True
+                try:
+                    if reduce:
+                        self._read_reduce(hdr, dest)
+                    else:
+                        self._read(hdr, dest_bytes, 0.0)
+                except BaseException as e:  # the control thread raises it at its next wait
+                    with self._cv:
+                        self._error = e
+                    return
+                i += 1
+                with self._cv:
+                    self._busy = False
+                    self._landed = i
                     self._cv.notify_all()
-                return
-            i += 1
+        finally:
             with self._cv:
-                self._landed = i
+                self._busy = False
                 self._cv.notify_all()
+
+    def quiesce(self, timeout_s: float) -> None:
+        """After a failed all-reduce: stop reading and return once the reader writes no more of
+        the user's memory, so that a failed Work's tensors are final, as on the other paths.
+        Shuts down only our receiving side: the left neighbour sees no error (a FATAL must still
+        travel the ring), its later chunks are never read."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RD)  # a blocked receive returns now
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FatalError(f"FTAR: the reader of the {self.peer} link did not stop within {timeout_s:.1f}s "
+                                     "after a failed all-reduce")
+                self._cv.wait(left)
 
     def _take(self, want: ChunkHeader, timeout_s: float) -> None:
         """Wait for the next expected chunk (it must be `want`) to have landed."""

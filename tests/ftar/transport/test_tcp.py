@@ -26,9 +26,17 @@ def _mismatch(got: ChunkHeader, want: ChunkHeader) -> None:
     FTAR._mismatch(None, got, want)  # type: ignore[arg-type]  # the engine's messages, no state needed
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A loopback TCP connection (a socketpair is a Unix socket: its shutdowns reach the peer)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    return a, b
+
+
 @pytest.fixture
 def link():
-    a, b = socket.socketpair()
+    a, b = _tcp_pair()
     tx = TcpTx(a, "right neighbour", lambda: [torch.empty(S, dtype=torch.uint8)])
     rx = TcpRx(b, "left neighbour", [torch.empty(S, dtype=torch.uint8) for _ in range(2)], _mismatch)
     yield tx, rx
@@ -123,3 +131,21 @@ def test_without_a_plan_the_caller_reads_itself(link):
     tx.send(h2, torch.full((S // 4,), 2.0), 5.0)
     rx.recv_reduce(h2, dest, 5.0)
     assert torch.equal(dest, torch.full((S // 4,), 2.0))
+
+
+def test_after_quiesce_nothing_more_lands_in_the_users_memory(link):
+    tx, rx = link
+    user = torch.zeros(S // 2)
+    plan = _plan(user, 2)
+    rx.expect([(h, d, b, False) for h, d, b, _ in plan])  # two all-gather chunks, straight into `user`
+    payload = byte_view(torch.ones(S // 4))
+    tx.sock.sendall(plan[0][0].pack() + bytes(payload[:S // 2]))  # half of the first chunk
+    time.sleep(0.2)  # the reader is inside its receive, writing `user` as bytes come
+    rx.quiesce(5.0)  # a failed all-reduce: the engine returns the Work only after this
+    before = user.clone()
+    assert before[:S // 8].eq(1).all() and before[S // 8:].eq(0).all()  # what came before stays
+    tx.sock.sendall(bytes(payload[S // 2:]) + plan[1][0].pack() + bytes(payload))
+    time.sleep(0.2)
+    assert torch.equal(user, before)
+    with pytest.raises(RecoverableError, match="connection lost"):
+        rx.recv_into(plan[0][0], plan[0][1], 1.0)
