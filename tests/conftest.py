@@ -54,6 +54,7 @@ INTEGRATION_FIXTURES = frozenset({"etcd_server", "etcd_endpoint", "etcd_cluster"
 INTEGRATION_TESTS = frozenset({
     "acceptance",  # a directory: every module under it; FILE::TEST names one test
     "bench/test_bench_smoke.py",
+    "bench/test_goodput_e2e.py::test_end_to_end_bench_trains_n_steps_of_work_in_all_three_jobs",
     "bench/test_recovery_stall.py",
     "bench/test_soak.py",
     "coord/test_etcd_server.py",

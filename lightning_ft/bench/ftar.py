@@ -3,7 +3,7 @@ processes (docs/ARCHITECTURE.md, "The device data plane": the CPU path).
 
     python -m lightning_ft.bench.ftar [--ranks 2 4] [--size-mb 16 64 256] [--iters 5]
                                       [--transports tcp shm]
-                                      [--sweep]  # also sweep chunk_bytes S x num_chunks C
+                                      [--sweep]  # sweep chunk_bytes S x num_chunks C instead
 
 N processes on loopback each hold an fp32 tensor. Each iteration runs FTAR and gloo back to
 back on the same data (alternating which goes first), with a barrier before each, and the
@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=4 << 20)
     p.add_argument("--num-chunks", type=int, default=4)
     p.add_argument("--transports", nargs="+", default=["tcp", "shm"], choices=["tcp", "shm", "rdma", "auto"])
-    p.add_argument("--sweep", action="store_true", help="sweep S in {256K,1M,4M} x C in {2,4,8}")
+    p.add_argument("--sweep", action="store_true", help="sweep S in {1M,4M,8M,16M} x C in {2,4}")
     a = p.parse_args(argv)
     geoms = [(a.chunk_bytes, a.num_chunks)]
     if a.sweep:
-        geoms = [(s, c) for s in (256 << 10, 1 << 20, 4 << 20) for c in (2, 4, 8)]
+        geoms = [(s, c) for s in (1 << 20, 4 << 20, 8 << 20, 16 << 20) for c in (2, 4)]
     rc = 0
     for n in a.ranks:
         rc |= run(n, a.size_mb, a.iters, geoms, a.transports)

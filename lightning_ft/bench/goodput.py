@@ -2,6 +2,7 @@
 
     python -m lightning_ft.bench.goodput [--replicas 2] [--steps 360] [--every 60]
                                          [--ckpt-every 50] [--restart-delay 2]
+    python -m lightning_ft.bench.goodput --end-to-end ...   # time to N steps beside DDP (goodput_e2e.py)
 
 Both runs train examples/train_lm.py with replica 1 SIGKILLed every `--every` steps and
 checkpoints every `--ckpt-every` steps:
@@ -77,6 +78,11 @@ def run(mode: str, a: argparse.Namespace, run_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--end-to-end" in argv:
+        from lightning_ft.bench import goodput_e2e
+
+        return goodput_e2e.main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--steps", type=int, default=360)

@@ -313,13 +313,15 @@ def main(argv: list[str] | None = None) -> int:
             if got[peer][1]["total"] > 0:  # a short run can account no CPU tick (10 ms) to the peer
                 cpu_ratios.append(got["ft"][1]["total"] / got[peer][1]["total"])
         if a.only_ft:
-            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "steps": a.steps, "warmup": a.warmup,
+            print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "width": a.width, "depth": a.depth,
+                              "steps": a.steps, "warmup": a.warmup,
                               "set": a.set, "ft_step_s": round(statistics.median(step_s["ft"]), 5),
                               "cpu_ms": _median_account(accounts["ft"]), "loadavg": os.getloadavg()[0]}), flush=True)
             continue
         ft_s, ref_s = statistics.median(step_s["ft"]), statistics.median(step_s[peer])
         ddp = {"backend": backend, "launch": launch, "why": why} if peer == "ddp" else {}
         print(json.dumps({"bench": bench, "procs": procs, "accelerator": a.accelerator, "ddp": ddp,
+                          "width": a.width, "depth": a.depth,
                           "params": params, "batch_per_proc": a.batch,
                           "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
                           "ft_step_s": round(ft_s, 5), f"{peer}_step_s": round(ref_s, 5),

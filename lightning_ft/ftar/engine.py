@@ -320,7 +320,7 @@ class FTAR:
                     self.transport.send_fatal(self._header(ring, torch.empty(0), 0, 0, 0, 0), str(e))
                     with self._lock:
                         self._broken = e
-                    work._finish(e)
+                    self._finish_failed(work, e)
                 except RecoverableError as e:
                     with self._lock:
                         aborted = self._broken
@@ -331,15 +331,24 @@ class FTAR:
                     # Close our links now, so that the neighbours fail at once instead of at
                     # their timeouts; the next reconfigure builds new ones.
                     self.transport.abort(f"the all-reduce failed: {e}")
-                    work._finish(e)
+                    self._finish_failed(work, e)
                 except Exception as e:  # a local device error or a bug: fatal, but never a hang
                     err = FatalError(f"FTAR control thread failed: {type(e).__name__}: {e}")
                     with self._lock:
                         self._broken = err
-                    work._finish(err)
+                    self._finish_failed(work, err)
             with self._lock:
                 if self._queue.empty():
                     self._idle.set()
+
+    def _finish_failed(self, work: Work, error: BaseException) -> None:
+        """Fail `work` once nothing of ours writes its tensors any more (a tcp link's reader)."""
+        try:
+            self.transport.quiesce(self.timeout_s)
+        except FatalError as e:
+            log.error("%s", e)
+            error = e
+        work._finish(error)
 
     def _header(self, ring: Ring, t: torch.Tensor, part: int, step: int, chunk: int, nbytes: int) -> ChunkHeader:
         return ChunkHeader(KIND_DATA, self._job, ring.epoch, self._seq, part, step, chunk,
@@ -390,13 +399,19 @@ class FTAR:
         partition's reduce-scatter and all-gather steps, chunk by chunk."""
         es = flat.element_size()
         parts = [segments(part, ring.n) for part in partitions(flat.numel(), es, ring.n, self.S, self.C)]
+        # what arrives from the left neighbour, in stream order: [partition][step] -> (span, header)
+        recvs = [[[(c, self._header(ring, flat, p, s, j, c.numel * es))
+                   for j, c in enumerate(chunks(segs[step.recv_seg], es, self.S))] for s, step in enumerate(plan)]
+                 for p, segs in enumerate(parts)]
+        path.expect([(step, want, c) for steps in recvs for step, got in zip(plan, steps, strict=True)
+                     for c, want in got], flat)
 
         def first(p: int) -> None:
             for j, c in enumerate(chunks(parts[p][plan[0].send_seg], es, self.S)):
                 path.first(j, flat[c.start:c.end], self._header(ring, flat, p, 0, j, c.numel * es), self._timeout(p, 0))
 
         first(0)
-        for p, segs in enumerate(parts):
+        for p, steps in enumerate(recvs):
             for s, step in enumerate(plan):
                 forward = s + 1 < len(plan)
                 if not forward and p + 1 < len(parts):
@@ -405,10 +420,9 @@ class FTAR:
                     # Every rank does the same, so each stream keeps the order its reader expects.
                     first(p + 1)
                 timeout = self._timeout(p, s)
-                for j, c in enumerate(chunks(segs[step.recv_seg], es, self.S)):
+                for j, (c, want) in enumerate(steps[s]):
                     nxt = self._header(ring, flat, p, s + 1, j, c.numel * es) if forward else None
-                    path.chunk(step, j, flat[c.start:c.end], self._header(ring, flat, p, s, j, c.numel * es), nxt,
-                               timeout)
+                    path.chunk(step, j, flat[c.start:c.end], want, nxt, timeout)
 
     def _timeout(self, p: int, s: int) -> float:
         """The first step of an all-reduce may wait for peers still computing (start timeout)."""

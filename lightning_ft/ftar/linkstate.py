@@ -106,6 +106,7 @@ class CountedRx:
 
     def __init__(self, link: RxLink, state: LinkState) -> None:
         self._link, self._st = link, state
+        self.reduces = getattr(link, "reduces", False)
 
     def recv(self, want: ChunkHeader, timeout_s: float) -> torch.Tensor:
         st = self._st
@@ -119,6 +120,13 @@ class CountedRx:
         st = self._st
         st.rx_wait = want.nbytes
         self._link.recv_into(want, dest, timeout_s)
+        st.rx_done += want.nbytes
+        st.rx_wait = 0
+
+    def recv_reduce(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
+        st = self._st
+        st.rx_wait = want.nbytes
+        self._link.recv_reduce(want, dest, timeout_s)  # type: ignore[attr-defined]  # tcp links only
         st.rx_done += want.nbytes
         st.rx_wait = 0
 

@@ -4,9 +4,9 @@ partitions, the reduce-scatter and all-gather steps of ring.py's schedule and ea
 and sends the next partition's first chunks before a partition's last step (the partition bubble).
 A path says what happens to one chunk:
 
-- `Direct` (tcp): send from and receive into the user's tensor: reduce-scatter partial sums stay
-  in place in the user's buffer (all-gather overwrites them), all-gather chunks land where they
-  belong and are forwarded from there.
+- `Direct` (tcp): send from and receive into the user's tensor: reduce-scatter chunks are added
+  into the user's buffer as they arrive (`recv_reduce`; the partial sums stay in place there and
+  all-gather overwrites them), all-gather chunks land where they belong and are forwarded from there.
 - `Staged` (shm, rdma): every chunk goes through the link's staging memory (shm: the neighbour's
   slot; rdma: the registered sendbuf): `copy` packs into it, `reduce` writes the next hop's
   staging and, on the last reduce-scatter step, the user's buffer too (fused).
@@ -15,8 +15,10 @@ A path says what happens to one chunk:
   on the last step) and sent D2H; all-gather chunks are unpacked into the user's buffer by the
   copy kernel and forwarded from host memory (their bytes are there already).
 
-`first` sends a partition's first chunk (step 0); `chunk` receives one chunk of a step, reduces
-or copies it, and forwards it when `nxt` (the next step's header) is given.
+`expect` hands the receive link the whole all-reduce's chunks in stream order first (Direct: a
+tcp link reads ahead, transport/tcp.py); `first` sends a partition's first chunk (step 0);
+`chunk` receives one chunk of a step, reduces or copies it, and forwards it when `nxt` (the
+next step's header) is given.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_ft import ops
-from .ring import RingStep
-from .transport.base import ChunkHeader, RxLink, TxLink
+from .ring import RingStep, Span
+from .transport.base import ChunkHeader, RxLink, TxLink, byte_view
 from .transport.staging import DeviceStaging
 
 
@@ -49,6 +51,10 @@ class Path:
     def __init__(self, tx: TxLink, rx: RxLink, divisor: Optional[float], timeout_s: float) -> None:
         self.tx, self.rx, self.divisor, self.timeout_s = tx, rx, divisor, timeout_s
 
+    def expect(self, recvs: list[tuple[RingStep, ChunkHeader, Span]], flat: torch.Tensor) -> None:
+        """Every chunk this all-reduce of `flat` will receive, in stream order, with its step and
+        its span of `flat` (default: nothing to prepare)."""
+
     def first(self, j: int, user: torch.Tensor, hdr: ChunkHeader, timeout: float) -> None:
         raise NotImplementedError
 
@@ -61,15 +67,26 @@ class Direct(Path):
     ticket = 0
     """The last send's ticket (`TxLink.wait_sent` waits for it at the end)."""
 
+    def expect(self, recvs: list[tuple[RingStep, ChunkHeader, Span]], flat: torch.Tensor) -> None:
+        """A link that reads ahead (tcp) learns where each chunk goes: reduce-scatter chunks are
+        added into the user's buffer, all-gather chunks written there."""
+        if getattr(self.rx, "reduces", False):
+            es, fb = flat.element_size(), byte_view(flat)
+            self.rx.expect([(want, flat[c.start:c.end], fb[c.start * es:c.end * es], step.phase == "rs")  # type: ignore[attr-defined]
+                            for step, want, c in recvs])
+
     def first(self, j: int, user: torch.Tensor, hdr: ChunkHeader, timeout: float) -> None:
         self.ticket = self.tx.send(hdr, user, timeout)
 
     def chunk(self, step: RingStep, j: int, user: torch.Tensor, want: ChunkHeader, nxt: Optional[ChunkHeader],
               timeout: float) -> None:
         if step.phase == "rs":
-            recv = self.rx.recv(want, timeout).view(user.dtype)[:user.numel()]
-            ops.reduce_(user, recv, user)
-            self.rx.release(want)
+            if getattr(self.rx, "reduces", False):  # tcp: the link adds the chunk into the user's buffer
+                self.rx.recv_reduce(want, user, timeout)  # type: ignore[attr-defined]
+            else:
+                recv = self.rx.recv(want, timeout).view(user.dtype)[:user.numel()]
+                ops.reduce_(user, recv, user)
+                self.rx.release(want)
             if step.last_rs and self.divisor is not None:
                 ops.scale_(user, self.divisor)
         else:

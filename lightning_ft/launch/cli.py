@@ -23,8 +23,9 @@
         LFT_CONFIG (RUN_DIR/config.yaml, written) and LFT_SECRET_FILE (RUN_DIR/secret, created
         mode 0600 when no secret is given). Never the secret itself.
 
-    lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R] ...
-        Effective training time of ft_hsdp and restart-the-world, a replica count, a picture (--png).
+    lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R] [--overhead X] ...
+        Effective training time of ft_hsdp and restart-the-world, the job size below which
+        restart-the-world wins, a replica count, a picture (--png).
 
 Multi-node: run `lightning-ft etcd --host 0.0.0.0` (or use your own etcd) and start one
 `lightning-ft run --etcd HOST:PORT --replica-ids ...` per node with the same job settings,

@@ -13,10 +13,18 @@ every `mtbf_job_s`; each costs, in lost full-job time:
   restart + catch-up after the failure), the job trains at (R-1)/R: 1/R of that time is lost
   (at (R-1)/R x step_s / degraded_step_s where the survivors' step time changes).
 So ETT = (1 - lost per failure / MTBF) x the checkpoint factor I / (I + K), where every
-I = ckpt_every x step time of training pays K seconds of checkpoint cost. This is the
+I = ckpt_every x step time of training pays K seconds of checkpoint cost; ft_hsdp's is then
+divided by 1 + `overhead`, its steady-state cost per step (a fault-free ft_hsdp step takes
+(1 + overhead) x the DDP step). This is the
 paper's accounting: a failure every 18 min with a 10 min synchronous restart leaves
 8/18 = 44%; with 12 replicas and a 3 min full stall, (8 + 7 x 11/12)/18 = 80%. Failures
 are assumed rarer than recoveries take (ETT is clamped at 0 where they are not).
+
+`crossover` is the job size below which restart-the-world has the higher ETT: small jobs
+fail rarely, so a per-step tax costs ft_hsdp more than its cheaper failures save. With a
+per-GPU MTBF m, losses per failure Lf (ft_hsdp) and Lr (restart) and no clamping, ft_hsdp
+wins from G = X m / ((1 + X) Lr - Lf) GPUs on (X the overhead): the outside torchft
+benchmark (930 against 818 minutes) is a job below its crossover.
 """
 from __future__ import annotations
 
@@ -54,6 +62,9 @@ class Inputs:
     """ft_hsdp: step time while a replica is away (default step_s). On a cluster every
     replica has its own machines; on a shared box the survivors may step slower while the
     failed replica starts up beside them, or faster with no one to exchange with."""
+    overhead: float = 0.0
+    """ft_hsdp's steady-state cost: its fault-free step takes (1 + overhead) x step_s, step_s
+    being the same job's step under DDP (bench.overhead's ratio - 1; `plan --overhead`)."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.replicas < 1:
@@ -65,6 +76,8 @@ class Inputs:
         for name in ("detect_s", "restart_s", "catchup_s", "step_s", "ckpt_cost_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.overhead > -1:
+            raise ValueError(f"overhead must be > -1 (a step of (1 + overhead) x the DDP step), got {self.overhead}")
 
     @property
     def ranks_per_replica(self) -> float:
@@ -96,6 +109,8 @@ class Goodput:
     ft_degraded_s: float
     """Seconds per failure with R-1 of R replicas training."""
     ckpt_factor: float
+    overhead_factor: float = 1.0
+    """1 / (1 + overhead): ft_hsdp's work rate while healthy, against DDP's."""
 
 
 def checkpoint_factor(inp: Inputs) -> float:
@@ -112,14 +127,15 @@ def goodput(inp: Inputs) -> Goodput:
     world = inp.restart_s if inp.world_restart_s is None else inp.world_restart_s
     restart_lost = inp.detect_s + world + inp.rollback * inp.step_s
     restart_ett = max(0.0, 1.0 - restart_lost / inp.mtbf_job_s) * ck
+    of = 1.0 / (1.0 + inp.overhead)
     if inp.replicas == 1:  # nobody to keep training: a failure stops the job like a world restart
-        return Goodput(restart_ett, restart_ett, restart_lost, restart_lost, restart_lost, 0.0, ck)
+        return Goodput(restart_ett, restart_ett * of, restart_lost, restart_lost, restart_lost, 0.0, ck, of)
     stall = inp.stall
     degraded = max(0.0, inp.down_s - stall)
     rate = 1.0 if not inp.degraded_step_s or not inp.step_s else inp.step_s / inp.degraded_step_s
     ft_lost = stall + degraded * max(0.0, 1.0 - (inp.replicas - 1) / inp.replicas * rate)
-    ft_ett = max(0.0, 1.0 - ft_lost / inp.mtbf_job_s) * ck
-    return Goodput(restart_ett, ft_ett, restart_lost, ft_lost, stall, degraded, ck)
+    ft_ett = max(0.0, 1.0 - ft_lost / inp.mtbf_job_s) * ck * of
+    return Goodput(restart_ett, ft_ett, restart_lost, ft_lost, stall, degraded, ck, of)
 
 
 PAPER = Inputs(gpus=98304, replicas=12, mtbf_job_s=18 * 60, detect_s=60.0, restart_s=540.0, catchup_s=0.0,
@@ -136,6 +152,56 @@ def at_scale(inp: Inputs, gpus: int) -> Inputs:
 
 def with_replicas(inp: Inputs, replicas: int) -> Inputs:
     return replace(inp, replicas=replicas)
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where restart-the-world stops winning, as the job grows (`crossover`)."""
+
+    gpus: Optional[int]
+    """The smallest job (GPUs) at which ft_hsdp's ETT is at least restart-the-world's; None
+    when that never happens up to the largest size searched."""
+    reason: str
+
+
+CROSSOVER_MAX_GPUS = 1 << 30
+"""The largest job `crossover` looks at (about a billion GPUs)."""
+
+
+def crossover(inp: Inputs, max_gpus: int = CROSSOVER_MAX_GPUS) -> Crossover:
+    """The job size below which restart-the-world wins: the smallest GPU count from
+    `inp.replicas` up, the per-GPU failure rate and everything else of `inp` held (`at_scale`),
+    at which ft_hsdp's ETT is above restart-the-world's. ETT falls with size for both (the job
+    fails more often), and faster for the mode that loses more per failure, so the sizes where
+    ft_hsdp wins are one range from the crossover up (until both reach 0)."""
+    per_gpu = inp.mtbf_job_s * inp.gpus
+
+    def wins(g: int) -> bool:
+        r = goodput(at_scale(inp, g))
+        return r.ft_ett > r.restart_ett
+
+    lo = inp.replicas
+    if wins(lo):
+        return Crossover(lo, f"ft_hsdp wins at every size from {lo} GPUs: its steady-state overhead "
+                             f"({inp.overhead:.3g}) costs less than its cheaper failures save even at one "
+                             f"failure every {per_gpu / lo:.4g} s")
+    hi = lo
+    while not wins(hi):
+        if hi >= max_gpus or goodput(at_scale(inp, hi)).restart_ett == 0:
+            g = goodput(inp)
+            why = (f"a failure costs ft_hsdp {g.ft_lost_s:.4g} s, restart-the-world {g.restart_lost_s:.4g} s"
+                   if g.ft_lost_s >= g.restart_lost_s else
+                   f"the steady-state overhead ({inp.overhead:.3g}) outweighs the {g.restart_lost_s - g.ft_lost_s:.4g}"
+                   " s ft_hsdp saves per failure at these sizes")
+            return Crossover(None, f"restart-the-world wins at every size up to {hi} GPUs: {why}")
+        lo, hi = hi, min(2 * hi, max_gpus)
+    while hi - lo > 1:  # wins(hi) and not wins(lo)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if wins(mid) else (mid, hi)
+    at = goodput(at_scale(inp, hi))
+    return Crossover(hi, f"restart-the-world wins below {hi} GPUs (there ft_hsdp's ETT is {at.ft_ett:.4f}, "
+                         f"restart-the-world's {at.restart_ett:.4f}; steady-state overhead {inp.overhead:.3g}, "
+                         f"one GPU failing every {per_gpu:.4g} s)")
 
 
 @dataclass(frozen=True)

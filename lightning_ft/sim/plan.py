@@ -4,12 +4,16 @@ the model is sim/goodput.py).
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R]
                       [--mtbf 18m | --mtbf-gpu 3y] [--detect S] [--restart S] [--catchup S]
                       [--step S] [--ckpt-every N] [--ckpt-cost S] [--stall S] [...]
-                      [--json] [--png PATH | --no-png]
+                      [--overhead X | --baseline-step S] [--json] [--png PATH | --no-png]
 
 Each input comes from, in order: a flag, the run directory (`--from-run`: measured by
 `measure_run` from what `lightning-ft run` left there), the preset, the defaults. The
 output names the source of every input, the ETT of ft_hsdp and of restart-the-world, what
-one failure costs in each, and a replica count; plan.png plots ETT against job size for
+one failure costs in each, a replica count, and the job size below which restart-the-world
+wins (goodput.crossover: ft_hsdp's steady-state overhead X, `--overhead`, against its cheaper
+failures; `--from-run` measures X as the run's fault-free step over a baseline step, the same
+job's under DDP: `--baseline-step`, or the run directory's baseline.json, which
+bench.goodput --end-to-end writes); plan.png plots ETT against job size for
 both modes (per-GPU failure rate held) and ft_hsdp's ETT against the replica count. The
 picture goes to `--png`, else into the run directory (`--from-run RUN_DIR/plan.png`), else to
 `runs/plan/plan.png` (`runs/` is ignored by git): never into the working directory itself.
@@ -26,8 +30,8 @@ from dataclasses import asdict, fields
 from itertools import pairwise
 from typing import Any, Optional
 
-from lightning_ft.sim.goodput import (PAPER, Inputs, Memory, at_scale, candidate_counts, goodput, recommend,
-                                      with_replicas)
+from lightning_ft.sim.goodput import (PAPER, Inputs, Memory, at_scale, candidate_counts, crossover, goodput,
+                                      recommend, with_replicas)
 
 # Inputs nobody gave: a failure rate per GPU from the paper, the launcher's own detection
 # (lease TTL), the paper's restart, and guesses for the rest; every one is labelled so.
@@ -39,7 +43,12 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "step_s": (10.0, "default (guess)"),
     "ckpt_every": (100, "default: checkpoint.every_n_steps"),
     "ckpt_cost_s": (0.0, "default: asynchronous checkpoints"),
+    "overhead": (0.0, "default: none (give --overhead X, or --baseline-step S with --from-run)"),
 }
+
+BASELINE_FILE = "baseline.json"
+"""In a run directory: {"step_s": S, "what": ...}, the same job's fault-free step without
+ft_hsdp (bench.goodput --end-to-end writes the clean DDP run's), for `--from-run`'s overhead."""
 
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "y": 365 * 86400}
 
@@ -95,11 +104,31 @@ def checkpoint_costs(rows: list[dict]) -> dict[str, Optional[float]]:
     return {"ckpt_steps": len(ck), "ckpt_step_call_s": med(ck), "step_call_s": med(plain), "ckpt_stage_ms": med(stage)}
 
 
-def measure_run(run_dir: str) -> dict[str, Any]:
+def overhead_of(ft_step_s: Optional[float], baseline_step_s: Optional[float]) -> Optional[float]:
+    """ft_hsdp's steady-state overhead X: its fault-free step over the baseline (the same job's
+    step without ft_hsdp), minus 1; None when either is unknown."""
+    if not ft_step_s or not baseline_step_s or baseline_step_s <= 0:
+        return None
+    return ft_step_s / baseline_step_s - 1.0
+
+
+def read_baseline(run_dir: str) -> Optional[float]:
+    """The baseline step time recorded in RUN_DIR/baseline.json, if any."""
+    path = os.path.join(run_dir, BASELINE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        step = json.load(f).get("step_s")
+    return float(step) if step else None
+
+
+def measure_run(run_dir: str, baseline_step_s: Optional[float] = None) -> dict[str, Any]:
     """The planner's inputs measured in a run directory of `lightning-ft run` (ft_hsdp, or
     `--restart world`): every failure's detection, restart and catch-up, the healthy
-    replicas' stall, the failure interval, step time and checkpoint cost. Keys are Inputs
-    fields (plus `mode`, `failures`); what the run cannot tell is left out."""
+    replicas' stall, the failure interval, step time and checkpoint cost, and (given a
+    baseline step, or the run's baseline.json) the steady-state overhead of an ft_hsdp run's
+    fault-free steps. Keys are Inputs fields (plus `mode`, `failures`, `baseline_step_s`);
+    what the run cannot tell is left out."""
     from lightning_ft import report
 
     data = report.load(run_dir)
@@ -117,6 +146,10 @@ def measure_run(run_dir: str) -> dict[str, Any]:
         out["step_s"] = step
     world = any(e["event"] == "world_restart" for e in data.events)
     out["mode"] = "restart" if world else "ft"
+    base = baseline_step_s or read_baseline(run_dir)
+    x = None if world else overhead_of(step, base)
+    if x is not None:
+        out["overhead"], out["baseline_step_s"] = x, base
     fails = _primary_failures(data.events)
     out["failures"] = len(fails)
     if fails and s["train_wall_s"]:
@@ -173,7 +206,7 @@ _FLAGS = {  # argparse dest -> Inputs field
     "gpus": "gpus", "replicas": "replicas", "mtbf": "mtbf_job_s", "detect": "detect_s", "restart": "restart_s",
     "world_restart": "world_restart_s", "catchup": "catchup_s", "step": "step_s", "ckpt_every": "ckpt_every",
     "ckpt_cost": "ckpt_cost_s", "stall": "stall_s", "rollback_steps": "rollback_steps",
-    "degraded_step": "degraded_step_s",
+    "degraded_step": "degraded_step_s", "overhead": "overhead",
 }
 
 
@@ -197,7 +230,13 @@ def build_inputs(a: argparse.Namespace) -> tuple[Inputs, dict[str, str]]:
     if a.preset == "paper":
         take(asdict(PAPER), "preset paper")
     if a.from_run:
-        take(measure_run(a.from_run), f"run {a.from_run}")
+        m = measure_run(a.from_run, a.baseline_step)
+        take(m, f"run {a.from_run}")
+        if "overhead" in m:
+            src["overhead"] = (f"run {a.from_run}: fault-free step {m['step_s']:.4g} s / baseline "
+                               f"{m['baseline_step_s']:.4g} s - 1")
+    elif a.baseline_step is not None:
+        raise ValueError("--baseline-step needs --from-run RUN_DIR (the run whose fault-free steps it measures)")
     if a.mtbf is not None and a.mtbf_gpu is not None:
         raise ValueError("give --mtbf (the job's) or --mtbf-gpu (one GPU's), not both")
     take({"mtbf_gpu_s": a.mtbf_gpu, **{field: getattr(a, dest) for dest, field in _FLAGS.items()
@@ -226,7 +265,7 @@ def predict_run(run_dir: str) -> tuple[str, Inputs, float]:
     m = measure_run(run_dir)
     if not m.get("failures"):
         raise ValueError(f"{run_dir} has no failures: nothing to model")
-    names = {f.name for f in fields(Inputs)}
+    names = {f.name for f in fields(Inputs)} - {"overhead"}  # ETT against the run's own fault-free rate
     inp = Inputs(**{"detect_s": 0.0, "restart_s": 0.0, "catchup_s": 0.0, "step_s": 0.0,
                     **{k: v for k, v in m.items() if k in names}})
     g = goodput(inp)
@@ -255,6 +294,9 @@ def plot(inp: Inputs, rec_replicas: Optional[int], memory: Optional[Memory], pat
     here = goodput(inp)
     ax1.plot([inp.gpus] * 2, [here.ft_ett, here.restart_ett], "ko", ms=4)
     ax1.axvline(inp.gpus, color="#888", lw=0.8, ls=":")
+    cross = crossover(inp).gpus
+    if cross and lo < cross < hi:
+        ax1.axvline(cross, color="#d62728", lw=0.8, ls="--", label=f"restart-the-world wins below {cross} GPUs")
     ax1.set_xscale("log")
     ax1.set_ylim(0, 1.02)
     ax1.set_xlabel("GPUs (per-GPU MTBF held: the job's MTBF scales as 1/GPUs)")
@@ -303,7 +345,9 @@ def text(inp: Inputs, src: dict[str, str], result: dict) -> str:
               + (f" stepping in {inp.degraded_step_s:.4g} s" if inp.degraded_step_s else "")]
     if g.ckpt_factor < 1:
         lines.append(f"  (both x {g.ckpt_factor:.4f} for checkpoint cost)")
-    lines += ["", f"recommended: {result['recommendation']}"]
+    if inp.overhead:
+        lines.append(f"  (ft_hsdp x {g.overhead_factor:.4f} for its steady-state overhead {inp.overhead:.4g})")
+    lines += ["", f"crossover: {result['crossover']}", f"recommended: {result['recommendation']}"]
     return "\n".join(lines)
 
 
@@ -328,6 +372,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-cost", type=duration, help="training time one checkpoint costs")
     p.add_argument("--degraded-step", type=duration, help="ft_hsdp step time while a replica is away "
                                                            "(default: --step)")
+    p.add_argument("--overhead", type=float, help="ft_hsdp's steady-state overhead X: its fault-free step is "
+                                                  "(1 + X) x the same job's DDP step (e.g. 0.066)")
+    p.add_argument("--baseline-step", type=duration, help="with --from-run: the same job's step without ft_hsdp "
+                                                          "(DDP); the overhead is the run's fault-free step over it")
     p.add_argument("--rollback-steps", type=float, help="restart-the-world: steps redone per failure "
                                                         "(default: half the checkpoint interval)")
     p.add_argument("--model-params", type=count, help="parameters (e.g. 70B): limits replicas by memory")
@@ -363,7 +411,9 @@ def run(a: argparse.Namespace) -> int:
     counts = candidate_counts(inp.gpus, a.max_replicas)
     rec = recommend(inp, counts, memory, a.tolerance) if counts else None
     g = goodput(inp)
+    cross = crossover(inp)
     result = {"restart_ett": round(g.restart_ett, 4), "ft_ett": round(g.ft_ett, 4), "gpus": inp.gpus,
+              "overhead": inp.overhead, "restart_wins_below_gpus": cross.gpus, "crossover": cross.reason,
               "replicas": inp.replicas, "mtbf_job_s": inp.mtbf_job_s,
               "restart_lost_s": g.restart_lost_s, "ft_lost_s": g.ft_lost_s, "ft_stall_s": g.ft_stall_s,
               "ft_degraded_s": g.ft_degraded_s, "ckpt_factor": g.ckpt_factor,

@@ -80,6 +80,7 @@ def test_overhead_bench_runs_ft_hsdp_and_ddp_side_by_side():
                      "--rounds", "1", "--width", "64", "--depth", "2", "--batch", "16", timeout=400)
     final = rows[-1]
     assert final["bench"] == "overhead" and final["ft_step_s"] > 0 and final["ddp_step_s"] > 0
+    assert (final["width"], final["depth"], final["params"]) == (64, 2, 2 * (64 * 64 + 64) + 64 + 1)
     # one round: the ratio of the two step times, which are printed to 5 decimals (at 2 ms a step,
     # a half-unit of the last digit moves their quotient by 0.3%), and the ratio itself to 4
     f, g, half = final["ft_step_s"], final["ddp_step_s"], 0.5e-5

@@ -3,6 +3,7 @@ replica-count recommendation."""
 from __future__ import annotations
 
 import random
+import math
 from dataclasses import replace
 
 import pytest
@@ -131,3 +132,60 @@ def test_memory_caps_the_replica_count():
     assert [c.fits for c in rec.candidates] == [c <= 6 for c in counts]
     none = gp.recommend(PAPER, counts, Memory(405e9 * 16, 80e9, 1e-4), tolerance=0.01)
     assert none.replicas is None and "no replica count fits" in none.reason
+
+
+def test_overhead_divides_ft_hsdps_ett_only():
+    g0, g = gp.goodput(base()), gp.goodput(base(overhead=0.25))
+    assert g.restart_ett == g0.restart_ett and g.ft_lost_s == g0.ft_lost_s
+    assert g.ft_ett == pytest.approx(g0.ft_ett / 1.25) and g.overhead_factor == pytest.approx(0.8)
+    assert gp.goodput(base(replicas=1, overhead=0.25)).ft_ett == pytest.approx(g0.restart_ett / 1.25)
+    with pytest.raises(ValueError, match="overhead must be > -1"):
+        base(overhead=-1)
+
+
+def flat(**kw) -> Inputs:
+    """Losses per failure known exactly: restart-the-world 600 s, ft_hsdp 600 / R s (no stall,
+    no steps, no checkpoints); one GPU fails every 1e6 s."""
+    d = dict(gpus=100, replicas=10, mtbf_job_s=1e6 / 100, detect_s=0, restart_s=600, catchup_s=0, step_s=0,
+             stall_s=0)
+    d.update(kw)
+    return Inputs(**d)
+
+
+@pytest.mark.parametrize("kw,want", [
+    # G* = X m / ((1 + X) Lr - Lf), rounded up: 0.05e6 / (630 - 60) = 87.7
+    ({"overhead": 0.05}, 88),
+    ({"overhead": 0.10}, 167),  # 0.1e6 / (660 - 60) = 166.7
+    ({"overhead": 0.05, "replicas": 2}, 152),  # Lf = 300: 0.05e6 / (630 - 300) = 151.5
+    ({"overhead": 0.5}, 596),  # 0.5e6 / (900 - 60) = 595.2
+])
+def test_crossover_is_where_the_overhead_meets_the_cheaper_failures(kw, want):
+    inp = flat(**kw)
+    x, lf, lr = inp.overhead, 600 / inp.replicas, 600
+    analytic = x * 1e6 / ((1 + x) * lr - lf)
+    c = gp.crossover(inp)
+    assert c.gpus == math.ceil(analytic) == want
+    assert f"restart-the-world wins below {want} GPUs" in c.reason
+    below, at = gp.goodput(gp.at_scale(inp, want - 1)), gp.goodput(gp.at_scale(inp, want))
+    assert below.ft_ett <= below.restart_ett and at.ft_ett > at.restart_ett
+
+
+def test_crossover_without_overhead_is_the_smallest_job():
+    c = gp.crossover(flat())
+    assert c.gpus == 10 and c.reason.startswith("ft_hsdp wins at every size from 10 GPUs")
+
+
+def test_crossover_never_when_ft_hsdp_loses_more_per_failure():
+    c = gp.crossover(flat(stall_s=700, overhead=0.01))  # a 700 s full stall against a 600 s restart
+    assert c.gpus is None
+    assert "a failure costs ft_hsdp 700 s, restart-the-world 600 s" in c.reason
+    # any tax is paid back before restart-the-world's ETT reaches 0 (at 1e6 / 600 = 1667 GPUs)
+    assert gp.crossover(flat(overhead=100.0)).gpus == 1652  # 100e6 / (60600 - 60) = 1651.8
+    c = gp.crossover(flat(overhead=0.05), max_gpus=64)
+    assert c.gpus is None and c.reason.startswith("restart-the-world wins at every size up to 64 GPUs")
+
+
+def test_crossover_of_the_paper_with_a_tax_of_6_5_to_13_percent():
+    # issue 22: with the measured tax restart-the-world wins below 16K-30K GPUs at the paper's failure rate
+    lo, hi = gp.crossover(replace(PAPER, overhead=0.065)).gpus, gp.crossover(replace(PAPER, overhead=0.13)).gpus
+    assert lo is not None and hi is not None and 15_000 < lo < hi < 31_000

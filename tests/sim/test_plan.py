@@ -198,3 +198,47 @@ def test_plan_png_goes_to_the_run_directory_or_runs_never_the_working_directory(
     assert (tmp_path / "runs" / "plan" / "plan.png").is_file() and not (tmp_path / "plan.png").exists()
     assert plan.png_path(argparse.Namespace(png=None, from_run="r/d")) == os.path.join("r/d", "plan.png")
     assert plan.png_path(argparse.Namespace(png="x.png", from_run="r/d")) == "x.png"
+
+
+def test_from_run_measures_the_overhead_against_a_baseline_step(tmp_path, capsys):
+    ft_run(str(tmp_path))
+    assert "overhead" not in plan.measure_run(str(tmp_path))  # no baseline: not measured
+    m = plan.measure_run(str(tmp_path), baseline_step_s=0.4)
+    assert m["overhead"] == pytest.approx(STEP / 0.4 - 1) and m["baseline_step_s"] == 0.4
+    (tmp_path / plan.BASELINE_FILE).write_text(json.dumps({"step_s": 0.45, "what": "clean DDP"}))
+    assert plan.measure_run(str(tmp_path))["overhead"] == pytest.approx(STEP / 0.45 - 1)
+    assert cli(["plan", "--from-run", str(tmp_path), "--json", "--no-png"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["overhead"] == pytest.approx(STEP / 0.45 - 1)
+    assert out["sources"]["overhead"] == f"run {tmp_path}: fault-free step 0.5 s / baseline 0.45 s - 1"
+    assert cli(["plan", "--from-run", str(tmp_path), "--baseline-step", "0.5", "--json", "--no-png"]) == 0
+    assert json.loads(capsys.readouterr().out)["overhead"] == pytest.approx(0.0)  # the flag over the file
+    mode, inp, ett = plan.predict_run(str(tmp_path))  # the run's ETT is against its own fault-free rate
+    assert mode == "ft" and inp.overhead == 0.0
+
+
+def test_world_restart_runs_have_no_overhead(tmp_path):
+    world_run(str(tmp_path))
+    assert "overhead" not in plan.measure_run(str(tmp_path), baseline_step_s=0.4)
+
+
+def test_overhead_flag_prints_the_crossover(capsys):
+    assert cli(["plan", "--preset", "paper", "--overhead", "0.1", "--json", "--no-png"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["overhead"] == 0.1 and out["sources"]["overhead"] == "flag"
+    assert out["ft_ett"] == pytest.approx(0.8009 / 1.1, abs=1e-4)
+    assert out["restart_wins_below_gpus"] == 23859
+    assert out["crossover"].startswith("restart-the-world wins below 23859 GPUs")
+    assert cli(["plan", "--preset", "paper", "--overhead", "0.1", "--no-png"]) == 0
+    text = capsys.readouterr().out
+    assert "crossover: restart-the-world wins below 23859 GPUs" in text
+    assert "(ft_hsdp x 0.9091 for its steady-state overhead 0.1)" in text
+    assert cli(["plan", "--preset", "paper", "--json", "--no-png"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["overhead"] == 0.0 and out["restart_wins_below_gpus"] == 12  # no tax: ft_hsdp wins at any size
+    assert out["sources"]["overhead"] == "preset paper"  # the paper measured 0% steady-state overhead
+
+
+def test_baseline_step_needs_a_run(capsys):
+    assert cli(["plan", "--preset", "paper", "--baseline-step", "1", "--no-png"]) == 2
+    assert "--baseline-step needs --from-run RUN_DIR" in capsys.readouterr().err

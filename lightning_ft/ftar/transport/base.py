@@ -200,6 +200,9 @@ class RxLink(ABC):
     def recv_into(self, want: ChunkHeader, dest: torch.Tensor, timeout_s: float) -> None:
         """Wait for chunk `want` and leave its bytes in `dest` (released at once)."""
 
+    def quiesce(self, timeout_s: float) -> None:  # noqa: B027 - optional: only a link that reads ahead writes late
+        """After a failed all-reduce: return once nothing of the link writes the user's memory."""
+
     @abstractmethod
     def abort(self, reason: str) -> None: ...
 

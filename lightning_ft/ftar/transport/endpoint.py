@@ -363,6 +363,11 @@ class Endpoint:
             if link is not None:
                 link.abort(reason)
 
+    def quiesce(self, timeout_s: float) -> None:
+        """After a failed all-reduce: return once our receive link writes no more of the user's memory."""
+        if self.rx is not None:
+            self.rx.quiesce(timeout_s)
+
     def abort_peer(self, addr: str, reason: str, epoch: int, timeout_s: float = 1.0) -> None:
         """Ask another rank of our replica (its FTAR listener at `addr`) to abort its
         all-reduce of ring `epoch` now: the leader's eviction watch reaches every rank this way."""
