@@ -34,8 +34,9 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
-from . import keys
+from . import keys, stragglers
 from .addresses import Addresses
+from .benched import IN, LEFT, Outside
 from .membership import (CoordinatorClosed, Evicted, JobHalted, Membership,
                          MembershipSettings, QuorumTimeout)
 from .quorum import compute_quorum, waiting_for
@@ -89,6 +90,8 @@ class Coordinator:
         """Decisions evaluated from etcd (one a round when the watched reports allow it)."""
         self._stragglers: set[int] = set()
         """Stragglers of the last round this leader decided (a `straggler` event per new one)."""
+        self.outside: Optional[Outside] = None
+        """Set while rule 14 benches us: we wait outside the rounds (coord/benched.py)."""
 
     # -- the membership, for callers -------------------------------------------------------------
     def register(self, step: int, addrs: Sequence[str] = (), state_addrs: Sequence[str] = (), **state: Any) -> None:
@@ -143,10 +146,26 @@ class Coordinator:
         bad_checkpoints); fields not given keep their last value, except that a digest is
         reported once.
 
-        Blocks until the round is decided, moving to later rounds while we are left out.
-        Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted,
-        JobHalted if the job was stopped."""
+        Blocks until the round is decided, moving to later rounds while we are left out. A
+        straggler that rule 14 benched does not block: it gets the newest decision, without us
+        (`outside` is set; its caller measures its pace and asks again; `probing`: it does, so
+        the ask does not wait). Raises QuorumTimeout after `timeout_s`, Evicted if this
+        incarnation was evicted, JobHalted if the job was stopped."""
         m = self.membership
+        probing = bool(state.pop("probing", False))
+        if self.outside is not None:
+            if m.closed:
+                raise CoordinatorClosed(f"replica {self.rid}: the coordinator was closed while it was benched")
+            state.update(cursor=m.report.cursor if cursor is None else cursor, ring_ok=ring_ok)
+            how, q = self.outside.poll(m, self._clock, step, state, probing)
+            if how == IN:
+                self.outside = None
+                self._adopt(q)
+                return q
+            if how != LEFT:
+                return q
+            self.outside = None  # no longer benched, not taken back: report for the next round
+            self._current, self._next_round = q, q.round + 1
         deadline = None if timeout_s is None else self._clock() + timeout_s
         # Changes seen from here on count for the round after this one: whatever happened before
         # our report, the decider reads from etcd when it evaluates this round.
@@ -211,10 +230,15 @@ class Coordinator:
                 q, taken = self._take(raw)
                 if taken:
                     return q
-                # Left out: evicted (exit), or we reported too late (try the next round).
+                # Left out: evicted (exit), benched (rule 14), or we reported too late (try the next round).
                 if self.store.get(keys.evict(self.root, self.rid, self.incarnation)) is not None:
                     raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted; exiting so "
                                   "the supervisor restarts it")
+                bench = stragglers.bench_entry(q.slow, self.rid)
+                if bench is not None:
+                    self.outside = Outside(*bench, self._clock(), q)
+                    m.watched.forget_decisions(q.round)
+                    return q
                 if m.report.joining:
                     # our report counts for every round (rule 1): a later one may already have us
                     later = self._recorded_with_us(round)
@@ -420,9 +444,11 @@ class Coordinator:
             self._emit("straggler", replica=rid, ratio=float(f"{ratio:.3f}"), window=self.spec.straggler_window,
                        threshold=self.spec.straggler_threshold, policy=self.spec.straggler_policy,
                        step=q.max_step, round=round,
-                       **({"until_round": excluded[1], "exclusions": excluded[2]} if excluded else {}),
+                       **({"benched": True, "exclusions": excluded[2]} if excluded else {}),
                        **({"gives": split[0], "of": split[1]} if split else {}))
         self._stragglers = set(decision.stragglers)
+        for rid, (k, ratio) in sorted(decision.readmitted.items()):
+            self._emit("readmitted", replica=rid, round=round, step=q.max_step, exclusions=k, probe_ratio=ratio)
         for rid, (made, newest) in decision.stale.items():
             self._emit("stale", replica=rid, step=q.max_step, made=list(made), newest=list(newest), round=round)
         if q.rewind is not None:

@@ -456,7 +456,9 @@ def _strikes(round: int, valid: Mapping[int, Report], previous: Optional[Quorum]
 
 def adopt_role(q: Quorum, rid: int) -> Role:
     """This replica's role in `q`: train or catch up (a train round, lagging); the source or
-    an adopter (a sync round)."""
+    an adopter (a sync round); benched (not a member: a straggler rule 14 benched)."""
+    if rid not in q.members:
+        return Role.BENCH
     if q.kind == SYNC:
         return Role.SOURCE if rid == q.source else Role.ADOPT
     return Role.TRAIN if rid in q.contributors else Role.CATCHUP

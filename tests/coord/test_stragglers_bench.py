@@ -31,7 +31,8 @@ def test_the_probe_span_doubles_with_each_exclusion_up_to_four_seconds(k, span):
     (Probe(22.0, 1.0, 20, 1.0), 20, 1, 20.0, True),      # within 1.3x over a whole span
     (Probe(26.0, 1.0, 20, 1.0), 20, 1, 20.0, False),     # 1.3x: still a straggler
     (Probe(26.0, 1.0, 20, 1.0), 20, 1, 100.0, True),
-    (Probe(14.0, 1.0, 20, 1.0), 20, 1, 10.0, True),      # 4 ms over: noise of a tiny step
+    (Probe(14.0, 1.0, 20, 1.0), 20, 1, 10.0, False),     # 4 ms over, but 1.4x: no allowance to return
+    (Probe(4.3, 1.0, 20, 1.0), 20, 1, 2.0, False),       # a tiny step stopped 0.2 s in 0.3 s (bench.straggler)
     (Probe(11.0, 1.5, 20, 2.0), 20, 2, 10.0, False),     # its second exclusion needs 2 s
     (Probe(11.0, 2.0, 20, 2.0), 20, 2, 10.0, True),
     (Probe(11.0, 1.0, 7, 9.0), 20, 1, 10.0, False),      # a probe of an earlier exclusion
