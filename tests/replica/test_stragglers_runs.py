@@ -189,3 +189,35 @@ def test_a_shrunk_straggler_trains_fewer_micro_batches_through_a_helpers_kill(et
     finally:
         release.set()
         job.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_job_that_ends_while_a_straggler_is_benched_ends_identical(etcd_endpoint, tmp_path, plain_loop_zygote):
+    """The job agrees to stop while replica 1 (3x slower compute to the end) is benched: it is
+    in no round, so it learns the end from the job's `finished` record, adopts a finisher's final
+    state and ends identical; its slot's batches it never trained stay untrained (exact ledger)."""
+    run_dir = str(tmp_path)
+    slow = os.path.join(run_dir, "slow.{rid}")
+    stop = os.path.join(run_dir, "STOP")
+    job = Job(etcd_endpoint, tmp_path, args=SMALL + ("--steps", STEPS, "--step-sleep", "0.02", "--slow-file", slow,
+                                                     "--stop-file", stop, "--set", "stragglers.policy=exclude"),
+              env={(r, 0): {"LFT_RUN_DIR": run_dir} for r in range(3)}, zygote=plain_loop_zygote)
+    release = threading.Event()
+    try:
+        job.start_all()
+        r0 = job.replicas[0]
+        r0.wait_for(lambda x: x.get("event") == "step" and x["step"] >= 30, 120)
+        t_slow = time.time()
+        slow_compute(slow.replace("{rid}", "1"), 120.0, release=release)
+        r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_slow and 1 not in x["members"], 60)
+        time.sleep(2.0)
+        open(stop, "w").close()
+        job.wait_done(120)
+        assert [e for e in read_events(run_dir, "readmitted") if e["replica"] == 1] == []
+        final = job.replicas[1].wait_for(lambda x: x.get("event") == "final", 5)
+        assert final["step"] == r0.wait_for(lambda x: x.get("event") == "final", 5)["step"]
+    finally:
+        release.set()
+    assert_identical_every_step(job)
+    assert_exactly_once(job)
+    job.close()
