@@ -85,7 +85,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 from lightning_ft.constants import Role
-from lightning_ft.coord import stragglers
+from lightning_ft.coord import straggler_rule, stragglers
 from lightning_ft.coord.round_records import (SYNC, TRAIN, Decision, History, JobSpec, Quorum, Report)
 
 _NO_HISTORY = History()
@@ -201,35 +201,16 @@ def compute_quorum(
         return Decision(None, wait, refused)
 
     # Rule 14, first part: benched stragglers wait outside; rule 5 judges the members alone.
-    standing = _standing(previous)
-    benched_ids = {rid for rid, _, _ in standing.slow}
-    benched = {r: valid.pop(r) for r in sorted(valid) if r in benched_ids}
+    benched = straggler_rule.set_aside(valid, previous)
 
     # Rule 5: a partition that keeps breaking the ring excludes one member.
     strikes, quarantine, excluded = _strikes(round, valid, previous)
     for rid in excluded:
         valid.pop(rid)
 
-    # Rule 14: stragglers.
-    rules = stragglers.Rules(job.straggler_threshold, job.straggler_policy, job.min_replicas, job.replicas,
-                             job.straggler_window)
-    present = {r: rep for r in benched_ids if (rep := reports.get(r)) is not None
-               and (r, rep.incarnation) not in evicted and r not in refused}
-    micro = {r: rep.micro for r, rep in valid.items()}
-    verdict = stragglers.decide(round, {r: (rep.compute_ms, rep.compute_round, rep.compute_n)
-                                        for r, rep in valid.items()},
-                                tuple(sorted(valid)), rules, standing,
-                                {r: probe_of(rep) for r, rep in present.items()}, set(benched), micro)
-    flagged, slow_out = verdict.stragglers, verdict.excluded
-    suspects = verdict.standing.suspects
-    for r in verdict.readmitted:
-        valid[r] = benched[r]
-    if slow_out is not None:
-        valid.pop(slow_out[0])
-        micro.pop(slow_out[0])
-    shrink_next = stragglers.shrink({r: x for r, x in flagged.items() if r in micro}, suspects,
-                                    previous.shrink_next if previous is not None else (), micro, job.replicas) \
-        if job.straggler_policy in (stragglers.SHRINK, stragglers.ADAPTIVE) else ()
+    # Rule 14: stragglers (coord/straggler_rule.py).
+    r14 = straggler_rule.apply(round, valid, benched, reports, evicted, refused, previous, job)
+    verdict, shrink_next = r14.verdict, r14.shrink_next
 
     # Rule 4: min_replicas.
     if len(valid) < job.min_replicas:
@@ -341,17 +322,7 @@ def compute_quorum(
         change = ", ".join(parts)
     if excluded:
         notes.append(f"excluded {_names(excluded)} after {STRIKES} failed ring rounds (partition)")
-    if flagged:
-        notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)"
-                                              for r, x in sorted(flagged.items()))
-                     + (f"; r{slow_out[0]} benched (exclusion {slow_out[2]}): it waits outside until its "
-                        f"pace is within {job.straggler_threshold}x" if slow_out is not None else ""))
-    back = {r: _readmission(verdict, r, present[r]) for r in verdict.readmitted}
-    if back:
-        notes.append("readmitted " + ", ".join(f"r{r} ({'unmeasured' if x < 0 else f'{x:.2f}x the pace'})"
-                                               for r, (_, x) in sorted(back.items())))
-    if verdict.standing.slow:
-        notes.append("benched " + _names(r for r, _, _ in verdict.standing.slow))
+    notes += r14.notes(job.straggler_threshold)
     shrunk = stragglers.effective(previous.shrink_next, contributors) \
         if previous is not None and kind == TRAIN and not cont else ()
     if shrunk or shrink_next:
@@ -376,29 +347,12 @@ def compute_quorum(
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
                quarantine=quarantine, slow=verdict.standing.slow, parole=verdict.standing.parole,
-               pace_ms=verdict.standing.pace_ms, suspects=suspects, stop=any(valid[r].stop for r in members),
+               pace_ms=verdict.standing.pace_ms, suspects=verdict.standing.suspects,
+               stop=any(valid[r].stop for r in members),
                shrunk=shrunk, shrink_next=shrink_next,
                opt=opt, cont=cont, first=first)
-    return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
-                    excluded_straggler=slow_out, readmitted=back)
-
-
-def probe_of(rep: Report) -> stragglers.Probe:
-    """What a benched straggler's report says of its pace (rule 14)."""
-    return stragglers.Probe(rep.compute_ms, rep.probe_s, rep.bench, rep.bench_s)
-
-
-def _standing(previous: Optional[Quorum]) -> stragglers.Standing:
-    if previous is None:
-        return stragglers.Standing()
-    return stragglers.Standing(previous.slow, previous.parole, previous.suspects, previous.pace_ms)
-
-
-def _readmission(verdict: stragglers.Verdict, rid: int, rep: Report) -> tuple[int, float]:
-    """(exclusions, probe ratio to the pace or -1) of a readmitted straggler, for the event."""
-    k = next((k for r, _, k in verdict.standing.parole if r == rid), 0)
-    pace = verdict.standing.pace_ms
-    return k, (round(rep.compute_ms / pace, 3) if rep.compute_ms > 0 and pace > 0 else -1.0)
+    return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=verdict.stragglers,
+                    excluded_straggler=verdict.excluded, readmitted=r14.readmitted)
 
 
 def phase_of(phases: Mapping[int, tuple[int, bool]], first: int = -1) -> tuple[int, bool, tuple[int, ...]]:

@@ -80,9 +80,9 @@ def test_a_shrunk_straggler_gives_micro_batches_away_and_the_job_trains_the_same
 def test_adaptive_shrinks_what_a_split_evens_out_and_benches_the_rest(tmp_path, etcd_endpoint, factor, benched):
     """stragglers.policy=adaptive: replica 1 computes `factor` times slower. At 1.6x a split of its
     4 micro-batches brings the round within 1.3x of the others' time: it is shrunk. At 4x no
-    split can (its best, 2 of 4 kept, is 1.5x the others' time and more): it is benched, and the strategy's probe (its window computed
-    again, nothing committed) keeps it out to the end; it adopts the final state. Identical,
-    exact ledger."""
+    split can (its best, 2 of 4 kept, is 1.5x the others' time and more): it is benched, and
+    the strategy's probe (its window computed again, nothing committed) keeps it out to the
+    end; it adopts the final state. Identical, exact ledger."""
     run = lft_run(tmp_path, etcd_endpoint, "--steps", str(STEPS), "--accumulate", str(N), "--batch", str(BATCH),
                   "--step-sleep", "0.01", "--slow-replica", "1", "--slow-factor", str(factor), replicas=R,
                   overrides=("stragglers.policy=adaptive",) + SHRINK[1:], timeout=280)
