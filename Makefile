@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint check test test-slow soak demo demo-quorum bench study study-smoke clean
+.PHONY: venv llm-venv lint check test test-slow soak sim demo demo-quorum bench study study-smoke clean gpu-bundle gpu-check gpu-emulate
 
 venv: $(STAMP)
 
@@ -24,6 +24,24 @@ $(STAMP): pyproject.toml
 	assert u.find_spec('torchvision') is None, 'torchvision was installed'; \
 	print('venv: torch', torch.__version__, 'litdata', litdata.__version__, 'torchdata', torchdata.__version__, 'no torchvision')"
 	touch $(STAMP)
+
+# The acceptance programs of tests/fabric that run LitGPT and Hugging Face transformers get a venv of their
+# own: litgpt 0.5.13 pins jsonargparse<=4.41 and huggingface-hub<1.4, which clash with the dev pins. It holds
+# this package with its runtime dependencies, litgpt, transformers (litgpt's range) and torchmetrics (litgpt's
+# pretraining imports it); tests/fabric builds it when missing and skips, saying why, when it cannot.
+LLM_VENV ?= .venv-llm
+llm-venv: $(LLM_VENV)/.installed
+
+$(LLM_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(LLM_VENV)
+	$(LLM_VENV)/bin/pip install -q --upgrade pip
+	$(LLM_VENV)/bin/pip install -q torch==2.13.0
+	$(LLM_VENV)/bin/pip install -q -e . 'litgpt==0.5.13' 'transformers>=4.51.3,<4.57' 'torchmetrics==1.9.0'
+	$(LLM_VENV)/bin/python -c "import importlib.util as u, torch, litgpt, transformers, lightning_ft; \
+	assert torch.__version__.startswith('2.13.0'), torch.__version__; \
+	assert u.find_spec('torchvision') is None, 'torchvision was installed'; \
+	print('llm venv: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
 
 # ruff and mypy, configured in pyproject.toml; zero findings is the bar, and `make test` runs both
 # first (about 30 s), so a finding fails CI like a failing test.
@@ -58,6 +76,13 @@ soak: venv
 demo: venv
 	$(BIN)/python -m lightning_ft.demo
 
+# The whole job simulated in one process on a virtual clock (lightning_ft/sim/job.py): SEEDS seeded
+# schedules of 200 steps and 10 faults each, every promise checked; a failure prints its seed, a
+# shrunk schedule and the command that replays it.
+SEEDS ?= 1000
+sim: venv
+	$(BIN)/python -m lightning_ft.sim.job --seeds 0:$(SEEDS) --jobs 2
+
 demo-quorum: venv
 	$(BIN)/python -m lightning_ft.coord.demo show
 
@@ -78,3 +103,22 @@ study-smoke: venv
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU path (docs/ARCHITECTURE.md, "The GPU path"). gpu-bundle: the wheels a lent GPU machine lacks
+# (Python 3.12, manylinux x86-64) into gpu-bundle/ (ignored: the device call carries it), the tree and
+# the wheels checked against the 64 MiB a call carries, and the proof: the wheels installed with
+# --no-index into a clean Python 3.12 venv (build/gpu-bundle-venv) where torch, triton and lightning
+# are metadata only, then etcd, gRPC, omegaconf, ... used for real. PY312=/path/to/python3.12 if needed.
+gpu-bundle:
+	$(PY) -m lightning_ft.bench.gpu_bundle build $(if $(PY312),--python312 $(PY312))
+
+# On the lent GPU machine (no network), after gpu-bundle here: install the bundle, then every GPU
+# check within 8 minutes, each step with its own timeout; JSON lines and logs into $$OUT.
+# GPU_ARGS=--dry-run: the same steps on this CPU with tiny sizes.
+gpu-check:
+	bash lightning_ft/bench/gpu_run.sh $(GPU_ARGS)
+
+# The lent image emulated on this CPU (build/gpu-image, about 5 GB, kept): Python 3.12, torch 2.11,
+# Triton 3.6, Lightning 2.6.6; the bundle installed into it with --no-index, then the dry run there.
+gpu-emulate: gpu-bundle
+	$(PY) -m lightning_ft.bench.gpu_bundle emulate $(if $(PY312),--python312 $(PY312))

@@ -20,13 +20,17 @@ import sys
 import threading
 import time
 
-import lightning_ft  # noqa: F401  (before torch: the restart breakdown's "python" and "torch" parts)
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+from lightning_ft.replica import startup  # the restart breakdown's "python" and "torch" parts
 
-from lightning_ft.replica.ledger import SlotStream
-from lightning_ft.replica.digest import state_digest
+startup.mark("python")
+import torch  # noqa: E402
+
+startup.mark("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from lightning_ft.replica.digest import state_digest  # noqa: E402
+from lightning_ft.replica.ledger import SlotStream  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

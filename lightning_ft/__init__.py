@@ -1,8 +1,10 @@
 """lightning-ft: fault-tolerant HSDP (FT-HSDP) for PyTorch Lightning.
 
 `import lightning_ft` registers the strategy name "ft_hsdp" with Lightning, so that
-`Trainer(strategy="ft_hsdp")` works. Importing Lightning costs seconds, so the launcher and
-the coordination code do not: if Lightning is not imported yet, registration waits for it.
+`Trainer(strategy="ft_hsdp")` and `Fabric(strategy="ft_hsdp")` work, and does nothing else.
+Importing Lightning costs seconds, so the launcher and the coordination code do not: when
+Lightning's strategy registries are not imported yet, one import hook registers ft_hsdp with
+each right after it loads (and then removes itself).
 """
 import importlib.abc
 import importlib.util
@@ -10,67 +12,52 @@ import sys
 
 __version__ = "0.1.0"
 
-_HOOKED = "lightning.pytorch.strategies"
 
-
-def _register() -> None:
+def _register_trainer() -> None:
     # The strategy module registers itself when it finishes executing; if it is importing
     # right now (it imports Lightning, which triggered this hook), it will.
     if "lightning_ft.strategy.ft_hsdp" not in sys.modules:
         import lightning_ft.strategy.ft_hsdp  # noqa: F401
 
 
+def _register_fabric() -> None:
+    from lightning_ft.fabric import register
+
+    register()
+
+
+_REGISTRIES = {"lightning.pytorch.strategies": _register_trainer, "lightning.fabric.strategies": _register_fabric}
+"""Lightning's strategy registry modules, and what registers ft_hsdp with each once it executed."""
+
+
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers ft_hsdp right after Lightning's strategy registry module executes."""
+    """Registers ft_hsdp right after one of Lightning's strategy registry modules executes."""
+
+    def __init__(self) -> None:
+        self.pending = {name for name in _REGISTRIES if name not in sys.modules}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _HOOKED:
+        if fullname not in self.pending:
             return None
-        sys.meta_path.remove(self)
+        self.pending.discard(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
-        sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return None
         exec_module = spec.loader.exec_module
 
         def exec_and_register(module):
             exec_module(module)
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterOnImport)]
-            _register()
+            _REGISTRIES[fullname]()
 
         spec.loader.exec_module = exec_and_register
         return spec
 
 
-class _MarkTorch(importlib.abc.MetaPathFinder):
-    """Marks `torch` in the start-up breakdown (replica/startup.py) once `import torch` finishes."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_mark(module):
-            exec_module(module)
-            startup.mark("torch")
-
-        spec.loader.exec_module = exec_and_mark
-        return spec
-
-
-from lightning_ft.replica import startup  # noqa: E402  (os and time only)
-
-if "torch" in sys.modules:  # imported before us: python and torch are one part
-    startup.mark("torch")
-else:
-    startup.mark("python")
-    sys.meta_path.insert(0, _MarkTorch())
-
-if _HOOKED in sys.modules:
-    _register()
-elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+for _name, _register in _REGISTRIES.items():
+    if _name in sys.modules:
+        _register()
+if any(name not in sys.modules for name in _REGISTRIES) and not any(
+        isinstance(f, _RegisterOnImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterOnImport())

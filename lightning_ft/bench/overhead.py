@@ -24,12 +24,20 @@ barely moves with the machine's load, so `cpu_ratio` (the whole job's CPU per st
     {"bench": "overhead", "ft_step_s": ..., "ddp_step_s": ..., "ratio": ..., "ratios": [...],
      "cpu_ratio": ..., "cpu_ratios": [...], "cpu_ms": {"ft": {account}, "ddp": {account}}, ...}
     {"bench": "overhead_single", "ft_step_s": ..., "lightning_step_s": ..., "ratio": ..., ...}
+
+`--accelerator cuda` runs both jobs on the GPU(s) (bench/gpu_run.py: 2 processes sharing one GPU).
+DDP then all-reduces over NCCL when each process has a GPU of its own; when processes share a GPU
+NCCL refuses ("Duplicate GPU detected"), so DDP uses gloo on its CUDA gradients, and its ranks are
+started as one-device nodes (`--ddp-launch external`: LOCAL_RANK=0, NODE_RANK=rank; Lightning's
+launcher would ask for one GPU per process). The line's "ddp" field says which, and why.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -95,18 +103,67 @@ def worker(a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(1)
     n = a.batch * a.procs * (a.steps + 4)
     data = TensorDataset(torch.randn(n, a.width, generator=g), torch.randn(n, 1, generator=g))
-    strategy: str | Strategy = "ddp" if a.ddp else "ft_hsdp"
+    strategy: str | Strategy = "ft_hsdp"
+    devices: int | str = "auto"
+    nodes = 1
     if a.no_overlap and not a.ddp:
         from lightning_ft.strategy.ft_hsdp import FTHSDPStrategy
 
         strategy = FTHSDPStrategy(overlap=False)
-    if a.ddp and a.procs == 1:
-        strategy = "auto"
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=a.procs if a.ddp else "auto",
+    if a.ddp:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(process_group_backend=a.ddp_backend) if a.procs > 1 else "auto"
+        # external: this process is one of `procs` one-device nodes (ddp_external started it)
+        devices, nodes = (1, a.procs) if a.ddp_launch == "external" else (a.procs, 1)
+    trainer = L.Trainer(strategy=strategy, accelerator=a.accelerator, devices=devices, num_nodes=nodes,
                         max_steps=a.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Model(), DataLoader(data, batch_size=a.batch, shuffle=True))
     return 0
+
+
+def ddp_external(a: argparse.Namespace, argv: list[str]) -> int:
+    """Start `procs` DDP ranks as one-device nodes of one process each (Lightning sees LOCAL_RANK and
+    creates no process: NODE_RANK is the rank), and wait for them; a rank that fails ends the others."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = []
+    for r in range(a.procs):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(r),
+               "LOCAL_RANK": "0", "WORLD_SIZE": str(a.procs)}
+        ranks.append(subprocess.Popen([sys.executable, HERE, *argv, "--ddp-rank", str(r)], env=env))
+    rc = 0
+    while any(p.poll() is None for p in ranks):
+        failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+        if failed:
+            rc = failed[0]
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    return rc or max(abs(p.returncode) for p in ranks)
+
+
+def ddp_mode(a: argparse.Namespace) -> tuple[str, str, str]:
+    """DDP's backend and launch for `--accelerator` and the GPUs here (the "auto" choices), and why."""
+    backend, launch, why = a.ddp_backend, a.ddp_launch, ""
+    if a.accelerator == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        shared = gpus < a.procs
+        if shared:
+            why = (f"{a.procs} processes share {gpus} GPU(s): NCCL refuses two ranks on one GPU "
+                   "('Duplicate GPU detected'), so DDP all-reduces its CUDA gradients over gloo, its ranks "
+                   "started as one-device nodes")
+        backend = backend if backend != "auto" else ("gloo" if shared else "nccl")
+        launch = launch if launch != "auto" else ("external" if shared else "lightning")
+    else:
+        backend = backend if backend != "auto" else "gloo"
+        launch = launch if launch != "auto" else "lightning"
+    return backend, launch, why
 
 
 def _step_s(out: str) -> float:
@@ -130,7 +187,8 @@ def _run(cmd: list[str], timeout: float, what: str, steps: int) -> tuple[str, di
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory(prefix="lft-marks-") as marks:
         env = _env()
         env[MARKS_ENV] = marks
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
         acc = Account(proc.pid).start()
         snaps: dict[str, dict] = {}
 
@@ -146,10 +204,13 @@ def _run(cmd: list[str], timeout: float, what: str, steps: int) -> tuple[str, di
         watcher.start()
         try:
             rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        except subprocess.TimeoutExpired:  # the whole job: its launcher and what it started
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = -9
+        except KeyboardInterrupt:  # its own session: a ^C here does not reach it
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         watcher.join(5)
         acc.stop()
         out.seek(0)
@@ -204,18 +265,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an ft_hsdp config override (repeatable), e.g. --set consistency.every_n_steps=0")
     p.add_argument("--only-ft", action="store_true", help="run ft_hsdp alone (its CPU account; no ratio)")
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="where both jobs train")
+    p.add_argument("--ddp-backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="DDP's backend (auto: gloo on CPU and where processes share a GPU, else nccl)")
+    p.add_argument("--ddp-launch", choices=("auto", "lightning", "external"), default="auto",
+                   help="DDP's ranks: Lightning's launcher, or one-device nodes started here (auto: external "
+                        "where processes share a GPU)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ddp", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ddp-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
+        if a.ddp and a.ddp_launch == "external" and a.ddp_rank is None:
+            return ddp_external(a, list(sys.argv[1:] if argv is None else argv))
         return worker(a)
     if a.steps < a.warmup + 2:
         p.error(f"--steps must be at least --warmup + 2 ({a.warmup + 2})")
 
+    backend, launch, why = ddp_mode(a)
+
     def args_for(procs: int, steps: int) -> list[str]:
         return ["--worker", "--procs", str(procs), "--steps", str(steps), "--warmup", str(a.warmup), "--width",
-                str(a.width), "--depth", str(a.depth), "--batch", str(a.batch)] + (
-                    ["--no-overlap"] if a.no_overlap else [])
+                str(a.width), "--depth", str(a.depth), "--batch", str(a.batch), "--accelerator", a.accelerator,
+                "--ddp-backend", backend, "--ddp-launch", launch] + (["--no-overlap"] if a.no_overlap else [])
 
     params = a.depth * (a.width * a.width + a.width) + a.width + 1
     cases = [(a.procs, "ddp", "overhead")] + ([(1, "lightning", "overhead_single")] if a.single else [])
@@ -238,20 +310,24 @@ def main(argv: list[str] | None = None) -> int:
             if a.only_ft:
                 continue
             ratios.append(got["ft"][0] / got[peer][0])
-            cpu_ratios.append(got["ft"][1]["total"] / got[peer][1]["total"])
+            if got[peer][1]["total"] > 0:  # a short run can account no CPU tick (10 ms) to the peer
+                cpu_ratios.append(got["ft"][1]["total"] / got[peer][1]["total"])
         if a.only_ft:
             print(json.dumps({"bench": f"{bench}_ft", "procs": procs, "steps": a.steps, "warmup": a.warmup,
                               "set": a.set, "ft_step_s": round(statistics.median(step_s["ft"]), 5),
                               "cpu_ms": _median_account(accounts["ft"]), "loadavg": os.getloadavg()[0]}), flush=True)
             continue
         ft_s, ref_s = statistics.median(step_s["ft"]), statistics.median(step_s[peer])
-        print(json.dumps({"bench": bench, "procs": procs, "params": params, "batch_per_proc": a.batch,
+        ddp = {"backend": backend, "launch": launch, "why": why} if peer == "ddp" else {}
+        print(json.dumps({"bench": bench, "procs": procs, "accelerator": a.accelerator, "ddp": ddp,
+                          "params": params, "batch_per_proc": a.batch,
                           "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
                           "ft_step_s": round(ft_s, 5), f"{peer}_step_s": round(ref_s, 5),
                           "ratio": round(statistics.median(ratios), 4), "ratios": [round(x, 4) for x in ratios],
                           "ratio_spread": _spread(ratios), "overhead_ms": round((ft_s - ref_s) * 1e3, 2),
-                          "cpu_ratio": round(statistics.median(cpu_ratios), 4),
-                          "cpu_ratios": [round(x, 4) for x in cpu_ratios], "cpu_ratio_spread": _spread(cpu_ratios),
+                          "cpu_ratio": round(statistics.median(cpu_ratios), 4) if cpu_ratios else None,
+                          "cpu_ratios": [round(x, 4) for x in cpu_ratios],
+                          "cpu_ratio_spread": _spread(cpu_ratios) if cpu_ratios else None,
                           "cpu_ms": {"ft": _median_account(accounts["ft"]), peer: _median_account(accounts[peer])},
                           "loadavg": os.getloadavg()[0]}), flush=True)
     return 0

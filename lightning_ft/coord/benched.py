@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 from . import stragglers
-from .membership import JobHalted, Membership
+from .membership import CoordinatorClosed, JobHalted, Membership
 from .round_records import Halt, Quorum, decode_round
 
 IN, OUT, LEFT = "in", "out", "left"
@@ -30,7 +30,8 @@ READY_S = 1.0
 QUIET_S = 5.0
 """A report that is not ready is put this often (its probe, for status tables)."""
 WAIT_S = 0.2
-"""A caller that does not probe (it cannot recompute, or has no batch yet) waits this long per ask."""
+"""A caller that does not probe (it cannot recompute, or has no batch yet) waits this long per ask
+(`Coordinator.quorum_steps` yields it: a watch event ends the wait early)."""
 FINISHED_S = 1.0
 """How often the wait reads whether the job finished."""
 
@@ -51,11 +52,22 @@ class Outside:
     ready: bool = False
     checked_t: float = -math.inf
 
-    def poll(self, m: Membership, clock: Callable[[], float], step: int, state: dict[str, Any],
-             probing: bool) -> tuple[str, Quorum]:
-        """One ask: (IN, a decision that has us), (OUT, the newest decision) or (LEFT, the newest).
-        `state`: our report's fields (the probe among them); `probing`: the caller measures its
-        pace between asks (else this waits `WAIT_S` for a decision)."""
+    def steps(self, m: Membership, clock: Callable[[], float], step: int, state: dict[str, Any],
+              probing: bool) -> Generator[float, None, tuple[str, Quorum]]:
+        """One ask of `Coordinator.quorum_steps`: `poll`, and when it is still OUT and the caller
+        does not probe (`probing` False), a wait of `WAIT_S` (yielded) and a second poll."""
+        if m.closed:
+            raise CoordinatorClosed(f"replica {m.rid}: the coordinator was closed while it was benched")
+        m.wake.clear()
+        how, q = self.poll(m, clock, step, state)
+        if how == OUT and not probing:
+            yield WAIT_S
+            how, q = self.poll(m, clock, step, state)
+        return how, q
+
+    def poll(self, m: Membership, clock: Callable[[], float], step: int, state: dict[str, Any]) -> tuple[str, Quorum]:
+        """One ask, without waiting: (IN, a decision that has us), (OUT, the newest decision) or
+        (LEFT, the newest). `state`: our report's fields (the probe among them)."""
         now = clock()
         m.heartbeat()
         if m.lease_lost.is_set():
@@ -84,7 +96,4 @@ class Outside:
         if ready != self.ready or now - self.published_t >= due:
             m.publish(report)
             self.published_t, self.ready = now, ready
-        if not probing:
-            m.wake.clear()
-            m.wake.wait(WAIT_S)
         return OUT, self.newest

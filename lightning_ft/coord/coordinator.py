@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Generator, Optional, Sequence, TypeVar
 
 from . import keys, stragglers
 from .addresses import Addresses
@@ -44,6 +45,19 @@ from .round_records import Decision, Halt, History, JobSpec, Quorum, Report, dec
 from .store import Store, StoreError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+def wait_out(steps: Generator[float, None, _T], wake: Any) -> _T:
+    """Run a generator that yields how long to wait for `wake` (a threading.Event) and returns a
+    result: the blocking form of the coordinator's generators."""
+    try:
+        timeout = next(steps)
+        while True:
+            wake.wait(timeout)
+            timeout = steps.send(None)
+    except StopIteration as done:
+        return done.value
 
 KEEP_ROUNDS = 32
 """Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
@@ -72,9 +86,10 @@ class Coordinator:
                  settings: Optional[MembershipSettings] = None, *, run: str = "",
                  on_failure: Optional[Callable[[int, str], None]] = None,
                  on_event: Optional[Callable[..., None]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, event: Callable[[], Any] = threading.Event,
+                 keepalive: bool = True) -> None:
         self.membership = m = Membership(store, job, rid, incarnation, spec, settings, run=run,
-                                         on_failure=on_failure, clock=clock)
+                                         on_failure=on_failure, clock=clock, event=event, keepalive=keepalive)
         self.store, self.rid, self.incarnation, self.spec, self.root = store, rid, incarnation, spec, m.root
         self.on_event = on_event
         self._clock = clock
@@ -83,6 +98,8 @@ class Coordinator:
         self._fallback_s = 2.0 * m.settings.lease_ttl_s
         self._current: Optional[Quorum] = None
         self._before_steady: Optional[Quorum] = None
+        self._retracted: Optional[int] = None
+        """The steady round we last retracted (its exchange failed for us), until we meet it again."""
         """The round a steady round followed (retract_steady goes back to it)."""
         self._next_round = 0
         self._last_reason = ""
@@ -146,22 +163,24 @@ class Coordinator:
         bad_checkpoints); fields not given keep their last value, except that a digest is
         reported once.
 
-        Blocks until the round is decided, moving to later rounds while we are left out. A
-        straggler that rule 14 benched does not block: it gets the newest decision, without us
-        (`outside` is set; its caller measures its pace and asks again; `probing`: it does, so
-        the ask does not wait). Raises QuorumTimeout after `timeout_s`, Evicted if this
+        Blocks until the round is decided, moving to later rounds while we are left out (benched
+        by rule 14: not; `outside`). Raises QuorumTimeout after `timeout_s`, Evicted if this
         incarnation was evicted, JobHalted if the job was stopped."""
+        return wait_out(self.quorum_steps(step, timeout_s, cursor, ring_ok, **state), self.membership.wake)
+
+    def quorum_steps(self, step: int, timeout_s: Optional[float] = None, cursor: Optional[int] = None,
+                     ring_ok: bool = True, **state: Any) -> Generator[float, None, Quorum]:
+        """`quorum` as a generator: it yields how long to wait for `membership.wake` (a watch event,
+        a lapsed lease, close) before it looks again, and returns the quorum. `quorum` waits on a
+        thread; the simulator (lightning_ft/sim) waits on its virtual clock."""
         m = self.membership
         probing = bool(state.pop("probing", False))
-        if self.outside is not None:
-            if m.closed:
-                raise CoordinatorClosed(f"replica {self.rid}: the coordinator was closed while it was benched")
-            state.update(cursor=m.report.cursor if cursor is None else cursor, ring_ok=ring_ok)
-            how, q = self.outside.poll(m, self._clock, step, state, probing)
+        if self.outside is not None:  # benched (rule 14): coord/benched.py
+            how, q = yield from self.outside.steps(m, self._clock, step, {**state, "ring_ok": ring_ok, "cursor": (
+                m.report.cursor if cursor is None else cursor)}, probing)
             if how == IN:
                 self.outside = None
                 self._adopt(q)
-                return q
             if how != LEFT:
                 return q
             self.outside = None  # no longer benched, not taken back: report for the next round
@@ -184,6 +203,7 @@ class Coordinator:
                                         f"{m.report.round} waited")
             if first or self._clock() - last_get >= self._slow_poll_s:
                 m.check_finished()
+                m.check_halt()
             m.heartbeat()
             m.wake.clear()
             if m.lease_lost.is_set():
@@ -228,6 +248,14 @@ class Coordinator:
             first = False
             if raw is not None:
                 q, taken = self._take(raw)
+                if taken and q.steady and q.round == self._retracted:
+                    # The steady round whose exchange failed for us was committed by a member that
+                    # has now recorded it (steady rounds are recorded when their committers leave
+                    # the steady rounds): it is over, and the next round is a full one for everyone.
+                    self._retracted = None
+                    self._publish(step, q.round + 1)
+                    started = self._clock()
+                    continue
                 if taken:
                     return q
                 # Left out: evicted (exit), benched (rule 14), or we reported too late (try the next round).
@@ -252,7 +280,7 @@ class Coordinator:
             if deadline is not None and self._clock() > deadline:
                 raise QuorumTimeout(f"replica {self.rid}: no quorum for round {round} after {timeout_s:.1f}s; "
                                     f"last reason: {self._last_reason or 'waiting for the decider'}")
-            m.wake.wait(self._poll_s)
+            yield self._poll_s
 
     def _round_key(self, round: int) -> str:
         return keys.quorum(self.root, round)
@@ -338,6 +366,7 @@ class Coordinator:
         if self._current is not None and self._current.round == q.round - 1:
             self._before_steady = self._current
         self._current = q
+        self._retracted = None
         self.membership.watched.follow(q)
         self._next_round = q.round + 1
         self.membership.report = replace(self.membership.report, round=q.round, step=q.max_step)
@@ -363,12 +392,16 @@ class Coordinator:
         self._current = self._before_steady
         self.membership.watched.follow(self._current)
         self._next_round = q.round
+        self._retracted = q.round
         self.membership.report = replace(self.membership.report, round=q.round - 1,
                                          step=self._before_steady.max_step)
 
     def record_steady(self, q: Quorum) -> None:
         """Store a steady round's quorum (create-if-absent, so a full decision of the same round
-        that won would stand) and prune old rounds. Called from a background thread."""
+        that won would stand) and prune old rounds. Called from a background thread, for some
+        steady rounds only (replica/rounds.py: a steady round writes nothing to etcd; one in
+        `RECORD_EVERY` rounds, or every `RECORD_EVERY_S`, is recorded for the supervisor and joiners),
+        and at the end of a run of steady rounds (`record_committed`)."""
         try:
             if self.store.create(self._round_key(q.round), q.to_json()):
                 old = q.round - KEEP_ROUNDS
@@ -376,6 +409,15 @@ class Coordinator:
                     self.store.delete(self._round_key(old))
         except StoreError as e:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
+
+    def record_committed(self, committed_round: int) -> None:
+        """Before a full round's report: if our current quorum is a steady round we committed,
+        record it (create-if-absent: every committer may). A member whose exchange of that round
+        failed meets the record instead of waiting for a decision nobody makes, and a decider
+        whose own view is older reads it as the previous round."""
+        q = self._current
+        if q is not None and q.steady and q.round == committed_round:
+            self.record_steady(q)
 
     # -- deciding --------------------------------------------------------------------------------
     def _evaluate(self, round: int, waited_s: float) -> Decision:
@@ -394,11 +436,24 @@ class Coordinator:
         if self._current is not None and self._current.round == round - 1:
             previous = self._current  # ours, possibly a steady round not yet recorded in etcd
         else:
-            prev_kv = self.store.get(self._round_key(round - 1)) if round > 0 else None
-            recorded = decode_round(prev_kv.value) if prev_kv else None
-            previous = recorded if isinstance(recorded, Quorum) else None
+            previous = self._recorded_before(round)
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
+
+    def _recorded_before(self, round: int) -> Optional[Quorum]:
+        """The newest quorum recorded in etcd for a round before `round`. Not all steady rounds are
+        recorded (replica/rounds.py, RECORD_EVERY), and the ones after a recorded round have its
+        members until the next full round (which is always recorded): that round stands for them.
+        None before the job's first round."""
+        if round <= 0:
+            return None
+        kv = self.store.get(self._round_key(round - 1))
+        if kv is None:
+            kvs, _ = self.store.get_prefix(keys.quorum(self.root))
+            older = [k for k in kvs if keys.round_of(k.key) < round]
+            kv = older[-1] if older else None
+        recorded = decode_round(kv.value) if kv is not None else None
+        return recorded if isinstance(recorded, Quorum) else None
 
     def _history(self, reports: dict[int, Report], previous: Optional[Quorum]) -> History:
         """The job's newest committed step, read only when nobody reports past the previous

@@ -103,12 +103,16 @@ class Membership:
         on_failure: called as on_failure(rid, reason) when the watches see a member fail
             (from a watch thread).
         clock: the monotonic clock the hang timeout reads (tests pass their own).
+        event: makes the events above (threading.Event; the simulator passes its own, lightning_ft/sim).
+        keepalive: start the keepalive thread at `register` (False: the caller calls
+            `keepalive_once` every lease_ttl_s / 3, as the simulator does).
     """
 
     def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec,
                  settings: Optional[MembershipSettings] = None, *, run: str = "",
                  on_failure: Optional[Callable[[int, str], None]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, event: Callable[[], Any] = threading.Event,
+                 keepalive: bool = True) -> None:
         self.settings = settings or MembershipSettings()
         self.store, self.job, self.rid, self.incarnation, self.spec = store, job, rid, incarnation, spec
         self.on_failure = on_failure
@@ -116,12 +120,13 @@ class Membership:
         self.root = keys.root(self.settings.prefix, job, run)
         self.watched = Watched(self.root, rid, spec.straggler_threshold)
         """What the watches delivered (thread-safe)."""
-        self.wake = threading.Event()
+        self.wake = event()
         """Set when something the rounds wait for may have happened (a watch event, a lapsed lease, close)."""
-        self.lease_lost = threading.Event()
+        self.lease_lost = event()
         """Our lease lapsed (the keepalive saw it): the round thread re-registers (`recover_lease`)."""
-        self._changed = threading.Event()
-        self._stop = threading.Event()
+        self._changed = event()
+        self._stop = event()
+        self._keepalive_thread = keepalive
         self._grant = Grant()
         self._report: Optional[Report] = None
         self._last_progress = clock()
@@ -178,7 +183,7 @@ class Membership:
         keepalive thread and the failure watches. Do slow initialization *before* this.
         `state`: Report fields describing our state (gen, synced, cursor, ...)."""
         self._check_config()
-        self._check_halt()
+        self.check_halt()
         if self.store.get(keys.evict(self.root, self.rid, self.incarnation)) is not None:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was already evicted; "
                           "restart it with a new incarnation")
@@ -201,8 +206,9 @@ class Membership:
         self._grant_and_publish()
         for prefix in (keys.evict(self.root), keys.alive(self.root), keys.quorum(self.root)):
             self._cancel_watches.append(self.store.watch_prefix(prefix, self._on_event))
-        self._keepalive = Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
-        self._keepalive.start()
+        if self._keepalive_thread:
+            self._keepalive = Thread(target=self._keepalive_loop, name=f"lft-lease-r{self.rid}", daemon=True)
+            self._keepalive.start()
 
     def _check_config(self) -> None:
         mine = dict(self.spec.fingerprint)
@@ -224,7 +230,10 @@ class Membership:
             raise JobFinished(f"the job already finished ({kv.value.decode(errors='replace')}); replica {self.rid} "
                               "has nothing left to train")
 
-    def _check_halt(self) -> None:
+    def check_halt(self) -> None:
+        """Raise JobHalted once the job is halted (a decision every replica obeys, whatever round it
+        reports for: one that missed the halted round, its lease lapsed meanwhile, must not decide
+        rounds alone)."""
         kv = self.store.get(keys.halt(self.root))
         if kv is not None:
             raise JobHalted(json.loads(kv.value)["reason"])
@@ -250,24 +259,29 @@ class Membership:
         self._grant = Grant(lease, kv.create_revision if kv is not None else 0)
 
     def _keepalive_loop(self) -> None:
-        st = self.settings
-        period = max(st.lease_ttl_s / 3.0, 0.05)
+        period = max(self.settings.lease_ttl_s / 3.0, 0.05)
         while not self._stop.wait(period):
-            if self._clock() - self._last_progress > st.hang_timeout_s:
-                if not self.lease_lost.is_set():
-                    log.warning("replica %d: no training progress for %.1fs (hang_timeout); letting the lease lapse",
-                                self.rid, st.hang_timeout_s)
-                continue
-            if self.lease_lost.is_set():
-                continue
-            try:
-                self.store.lease_keepalive(self._grant.lease)
-            except LeaseExpired:
-                self.lease_lost.set()
-                self._changed.set()
-                self.wake.set()
-            except StoreError as e:
-                log.warning("replica %d: lease keepalive failed: %s", self.rid, e)
+            self.keepalive_once()
+
+    def keepalive_once(self) -> None:
+        """Refresh the lease, unless the training loop made no progress for hang_timeout_s (a hung
+        replica lets its lease lapse, and the others fail it) or the lease is already lost."""
+        st = self.settings
+        if self._clock() - self._last_progress > st.hang_timeout_s:
+            if not self.lease_lost.is_set():
+                log.warning("replica %d: no training progress for %.1fs (hang_timeout); letting the lease lapse",
+                            self.rid, st.hang_timeout_s)
+            return
+        if self.lease_lost.is_set():
+            return
+        try:
+            self.store.lease_keepalive(self._grant.lease)
+        except LeaseExpired:
+            self.lease_lost.set()
+            self._changed.set()
+            self.wake.set()
+        except StoreError as e:
+            log.warning("replica %d: lease keepalive failed: %s", self.rid, e)
 
     def recover_lease(self) -> None:
         """Our lease lapsed (we hung, or etcd lost it). Come back as a joiner unless evicted."""
@@ -275,7 +289,9 @@ class Membership:
             raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted while its lease lapsed; "
                           "exiting so the supervisor restarts it")
         log.warning("replica %d: lease lapsed; re-registering as a joiner", self.rid)
-        self._report = replace(self.report, round=max(self.report.round, self.latest_round() + 1))
+        # A joiner's report stands for every round until it is taken in (quorum rule 1): the
+        # newest round recorded in etcd may be one the others passed long ago in steady rounds.
+        self._report = replace(self.report, round=max(self.report.round, self.latest_round() + 1), joining=True)
         self._grant_and_publish()
 
     def publish(self, report: Report) -> None:

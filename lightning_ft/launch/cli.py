@@ -421,16 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--no-png", action="store_true")
     rep.add_argument("--json", action="store_true", help="print the summary as JSON")
     rep.set_defaults(fn=_cmd_report)
-    from lightning_ft.sim.plan import add_arguments as plan_arguments
-
-    pl = sub.add_parser("plan", help="effective training time of ft_hsdp and restart-the-world for a job")
-    plan_arguments(pl)
+    # `plan` and `study` parse their own arguments (sim/plan.py, study/__main__.py): the training
+    # path (run, env, etcd) never imports sim/ or study/.
+    pl = sub.add_parser("plan", help="effective training time of ft_hsdp and restart-the-world for a job",
+                        add_help=False)
+    pl.add_argument("args", nargs=argparse.REMAINDER)
     pl.set_defaults(fn=_cmd_plan)
-
-    from lightning_ft.study.__main__ import DESCRIPTION, add_arguments
-
-    st = sub.add_parser("study", help="the MoE accuracy study with injected failures", description=DESCRIPTION)
-    add_arguments(st)
+    st = sub.add_parser("study", help="the MoE accuracy study with injected failures", add_help=False)
+    st.add_argument("args", nargs=argparse.REMAINDER)
     st.set_defaults(fn=_cmd_study)
     return p
 
@@ -442,15 +440,20 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from lightning_ft.sim.plan import run
+    from lightning_ft.sim.plan import add_arguments, run
 
-    return run(a)
+    p = argparse.ArgumentParser(prog="lightning-ft plan",
+                                description="effective training time of ft_hsdp and restart-the-world for a job")
+    add_arguments(p)
+    return run(p.parse_args(a.args))
 
 
 def _cmd_study(a: argparse.Namespace) -> int:
-    from lightning_ft.study.__main__ import run
+    from lightning_ft.study.__main__ import DESCRIPTION, add_arguments, run
 
-    return run(a)
+    p = argparse.ArgumentParser(prog="lightning-ft study", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(a.args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # keep a lone `--` after the script: argparse would drop it
         argv = protect_separator(argv)
+    if argv[:1] == ["plan"]:  # their own parsers (options first, which REMAINDER would not take)
+        return _cmd_plan(argparse.Namespace(args=argv[1:]))
+    if argv[:1] == ["study"]:
+        return _cmd_study(argparse.Namespace(args=argv[1:]))
     a = build_parser().parse_args(argv)
     return a.fn(a)
 

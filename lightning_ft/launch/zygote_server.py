@@ -127,6 +127,9 @@ def _run(kind: str, target: str, args: list[str]) -> int:
         code = 128 + signal.SIGINT
     except BaseException as e:  # noqa: BLE001  (the program's uncaught exception: Python prints it, exits 1)
         _print_exception(e)
+        # and records it, as Python does before its exit (threading._shutdown hooks read it:
+        # lightning_ft/fabric/compat.py::exited_by_exception)
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
         code = 1
     _finish()
     return code

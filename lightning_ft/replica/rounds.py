@@ -16,11 +16,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Generator, Optional
 
 from lightning_ft.constants import Role
 from lightning_ft.coord import stragglers
-from lightning_ft.coord.coordinator import Coordinator
+from lightning_ft.coord.coordinator import Coordinator, wait_out
 from lightning_ft.coord.quorum import LocalView, adopt_role, must_abort, steady_next
 from lightning_ft.coord.round_records import Quorum
 from lightning_ft.coord.store import StoreError
@@ -38,6 +38,18 @@ from lightning_ft.replica.settings import Settings
 from lightning_ft.threads import name_current
 
 log = logging.getLogger(__name__)
+
+RECORD_EVERY = 32
+"""Steady rounds between two that the lowest-id member records in etcd (for the supervisor and
+joiners); the others write nothing to etcd (docs/ARCHITECTURE.md, "Steady rounds"). Sparse records
+need three rules the simulator checks (lightning_ft/sim): a member whose lease lapsed comes back as
+a joiner (its report stands for every round: the newest recorded round may be one the others
+passed long ago), a decider whose own view is older takes the newest recorded round before its
+round as the previous one, and a member that missed a halted round learns of the halt from its
+key. Before them the netns link-cut test failed 6 of 8 runs at 32 (a member cut off from etcd was
+left out to the end of the job)."""
+RECORD_EVERY_S = 2.0
+"""... or this many seconds, whichever comes first (slow steps)."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +96,14 @@ class RoundClient:
     """The rounds of one rank; the leader also owns the coordinator's side of them."""
 
     def __init__(self, rid: int, group: ReplicaGroup, ftar: FTAR, digests: Digests, transfer: StateTransfer,
-                 rank_addrs: list[str], settings: Settings, replicas: int) -> None:
+                 rank_addrs: list[str], settings: Settings, replicas: int,
+                 clock: Callable[[], float] = time.monotonic,
+                 background: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
+        """`clock` and `background` (runs a call off the round's path; default: a thread of its
+        own) are the simulator's to replace (lightning_ft/sim)."""
         self.rid, self.group, self.ftar, self.digests, self.transfer = rid, group, ftar, digests, transfer
         self.settings, self.replicas = settings, replicas
+        self._clock = clock
         self.rank_addrs = rank_addrs
         """Every rank's FTAR address in this replica (the leader forwards aborts to them)."""
         self.coord: Optional[Coordinator] = None
@@ -104,6 +121,9 @@ class RoundClient:
         self._src_state: tuple[int, Optional[str]] = (-1, None)
         """(round, address): the state server this rank fetches from in that round."""
         self._bg: Optional[ThreadPoolExecutor] = None
+        self._background = background or self._in_thread
+        self._recorded: tuple[int, float] = (-1, clock())
+        """(round, when) of the last steady round this leader recorded."""
         self._reported = -1
         """The round of the newest step of the compute measure we last reported (stragglers.self_check)."""
 
@@ -119,6 +139,12 @@ class RoundClient:
     def next(self, view: RoundView) -> Round:
         """Report and obtain the next round (every rank; the leader talks to etcd), and connect
         the ring if its epoch changed."""
+        return wait_out(self.next_steps(view), self.coord.membership.wake if self.coord is not None else None)
+
+    def next_steps(self, view: RoundView) -> Generator[float, None, Round]:
+        """`next` as a generator: it yields how long to wait for the coordinator's wake (while a
+        full round is decided) and returns the round (the simulator, lightning_ft/sim, runs it on
+        its virtual clock)."""
         t0 = time.perf_counter()
         digest = self.digests.for_report(view.state.step)
         msg: Any = None
@@ -132,7 +158,7 @@ class RoundClient:
                 msg = e
         if self.is_leader and msg is None:
             try:
-                msg, refused = self._full_round(view, digest)
+                msg, refused = yield from self._full_round(view, digest)
             except Exception as e:  # Evicted, QuorumTimeout, JobHalted, StoreError: every rank must exit
                 msg = e
         table = self._peer_table(msg[0]) if self.is_leader and isinstance(msg, tuple) else None
@@ -165,10 +191,12 @@ class RoundClient:
         return Round(q, cursor, read, refused, quorum_s, reconfigure_s, plan)
 
     def _full_round(self, view: RoundView, digest: Optional[tuple[int, str]]
-                    ) -> tuple[tuple, Optional[tuple[int, int]]]:
+                    ) -> Generator[float, None, tuple[tuple, Optional[tuple[int, int]]]]:
         """Leader: record our commits, report, and wait for the round's decision."""
         assert self.coord is not None and self.writer is not None  # the leader's, from start()
         state = view.state
+        if self.coord.outside is None:  # (benched: that was done when it left the steady rounds)
+            self.coord.record_committed(view.committed_round)  # the steady rounds end: the last one is recorded
         refused = self.writer.flush()  # the previous steps' records precede our report for this one
         if refused is not None:
             state = state.disown()
@@ -176,8 +204,8 @@ class RoundClient:
         if view.cursor_stale:  # a failed commit: others may have committed our batch
             cursor, read = max(cursor, ledger.read_cursor(self.writer.store, root, self.rid, state.gen)), True
         report = self._report(view, state, digest)
-        q = self.coord.quorum(state.step, timeout_s=self.settings.quorum_timeout_s, cursor=cursor,
-                              ring_ok=self.ring_ok and not self.ftar.broken, **report)
+        q = yield from self.coord.quorum_steps(state.step, timeout_s=self.settings.quorum_timeout_s, cursor=cursor,
+                                               ring_ok=self.ring_ok and not self.ftar.broken, **report)
         if adopt_role(q, self.rid) == "catchup":
             # Read after the decision: the contributors recorded the previous step (possibly
             # with our batch, if we failed to commit it) before reporting.
@@ -226,12 +254,21 @@ class RoundClient:
                 coord.retract_steady()
             return None
         coord.adopt_steady(nxt)
-        if self.rid == nxt.members[0]:  # one leader records it, off the critical path
-            if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
-                                              initargs=(f"lft-bg-r{self.rid}",))
-            self._bg.submit(coord.record_steady, nxt)
+        now = self._clock()
+        if self.rid == nxt.members[0] and (nxt.round - self._recorded[0] >= RECORD_EVERY
+                                           or now - self._recorded[1] >= RECORD_EVERY_S):
+            # One leader records some of the steady rounds, off the critical path: a steady round
+            # writes nothing to etcd; the supervisor's view of the job's step and a joiner's round
+            # number lag by at most these. Their end is recorded before a full round's report.
+            self._recorded = (nxt.round, now)
+            self._background(lambda: coord.record_steady(nxt))
         return (nxt, view.state.cursor, False)
+
+    def _in_thread(self, fn: Callable[[], None]) -> None:
+        if self._bg is None:
+            self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"lft-bg-r{self.rid}", initializer=name_current,
+                                          initargs=(f"lft-bg-r{self.rid}",))
+        self._bg.submit(fn)
 
     def _connect(self, q: Quorum) -> float:
         """Connect FTAR for the ring of `q`'s epoch (a failed exchange always bumps it); the

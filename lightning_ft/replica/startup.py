@@ -5,9 +5,9 @@ first mark of a name counts. `breakdown` (pure) turns them into the seconds each
 from the launcher's spawn time (`$LFT_SPAWN_T`, set by `lightning-ft run` and bench.localjob
 right before they start the process) or, without it, the kernel's start time of this process.
 
-    python      spawn -> interpreter up (the first `import lightning_ft`, in a script that
-                imports it before torch; else folded into `torch`)
-    torch       `import torch` done
+    python      spawn -> interpreter up (a program that marks it, as examples/plain_loop.py does;
+                else folded into the next part)
+    torch       `import torch` done (likewise; under Lightning folded into `lightning`)
     lightning   `lightning_ft.strategy.ft_hsdp` imported (Lightning with it; Lightning runs only)
     script      the user's script reached `fit` (the strategy's setup_environment)
     setup       the strategy set the model and optimizer up (the replica manager exists)
@@ -44,8 +44,15 @@ def forked() -> None:
     _forked = True
 
 
+PRELOADED = ("python", "torch", "lightning")
+"""The parts a forked process does not have: the zygote imported them before it existed."""
+
+
 def mark(name: str, t: Optional[float] = None) -> None:
-    """Record that this process reached `name` (one of PARTS) now, or at `t`; the first call counts."""
+    """Record that this process reached `name` (one of PARTS) now, or at `t`; the first call counts
+    (a forked process ignores the parts the zygote did for it)."""
+    if _forked and name in PRELOADED:
+        return
     _marks.setdefault(name, time.time() if t is None else t)
 
 

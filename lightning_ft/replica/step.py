@@ -242,9 +242,12 @@ class Step:
         if not sync.agreed(r, q, vote):
             return False
         r.state = r.state.adopted(q.max_step, q.gen, (q.round, q.epoch))
-        if q.rewind is not None:
-            cur = ledger.read_cursor(r.store, r.root, r.rid, q.gen) if r.is_leader else 0
-            r.state = replace(r.state, cursor=r.group.broadcast(cur))
+        # Our slot's cursor in the round's generation, whatever generation our cursor was read in: a
+        # replica whose adoption in a rewind failed, and that is the source of a later sync round of
+        # the new generation, held the old generation's cursor and trained the slot on from there
+        # (the simulator, seed 55: batches 0-24 of a slot never trained in generation 1).
+        cur = ledger.read_cursor(r.store, r.root, r.rid, q.gen) if r.is_leader else 0
+        r.state = replace(r.state, cursor=r.group.broadcast(cur))
         r.take_digest()
         if plan.role == "adopt" and r.is_leader:
             sync.announce(r, q, time.perf_counter() - t0)

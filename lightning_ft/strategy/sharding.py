@@ -29,13 +29,26 @@ def auto_shard(module: torch.nn.Module, mesh: Any, world_size: int,
         layers = [m for ml in module.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
     for m in layers:
         fully_shard(m, mesh=mesh)
-    for _, child in module.named_children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    _shard_children(module, mesh)
     loose = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
     if loose:
         raise ShardingError(f"parameters {loose[:5]} live directly on the LightningModule, so the strategy cannot "
                             "fully_shard them; put them in a submodule, or apply fully_shard in configure_model()")
+
+
+def _shard_children(module: torch.nn.Module, mesh: Any) -> None:
+    """`fully_shard` each child with parameters; a container (ModuleList, ModuleDict: no forward,
+    which fully_shard refuses) is looked into instead, its members sharded but those already are
+    (LitGPT's GPT keeps its embedding, blocks and final norm in a ModuleDict)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for _, child in module.named_children():
+        if not any(True for _ in child.parameters()) or isinstance(child, FSDPModule):
+            continue
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            _shard_children(child, mesh)
+        else:
+            fully_shard(child, mesh=mesh)
 
 
 def reshard_on_toggle(module: Any) -> None:

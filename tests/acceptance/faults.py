@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -36,13 +37,14 @@ def _steps(run_dir: str, rid: int) -> int:
 
 def run_with_faults(tmp_path, etcd_endpoint: str, script: str, *script_args: str, replicas: int = 3,
                     steps: int = 60, seed: int = 0, kill: bool = True, stop_s: float = 0.0,
-                    overrides: tuple[str, ...] = (), timeout: float = 300, nproc: int = 1) -> tuple[Run, str]:
+                    overrides: tuple[str, ...] = (), timeout: float = 300, nproc: int = 1,
+                    python: str = sys.executable) -> tuple[Run, str]:
     """Returns the run and a description of the faults (for assertion messages)."""
     rng = random.Random(seed)
     job = "acc" + uuid.uuid4().hex[:8]
     run_dir = str(tmp_path / job)
     cmd = lft_cmd(run_dir, job, etcd_endpoint, *script_args, replicas=replicas, nproc=nproc, overrides=overrides,
-                  timeout=timeout, script=script)
+                  timeout=timeout, script=script, python=python)
     log = open(os.path.join(str(tmp_path), f"{job}.out"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     done: list[str] = []

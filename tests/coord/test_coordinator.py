@@ -347,6 +347,43 @@ def test_a_failed_steady_round_is_retracted_unless_it_was_recorded(recorded):
         a.close(), b.close(), s.close()
 
 
+def test_a_member_whose_steady_round_failed_meets_the_committers_record_and_moves_on():
+    """Steady rounds are recorded lazily. a committed steady round R, b's exchange of it failed: b
+    retracts R (not recorded yet) and reports for R. a's next steady round fails too (b aborted
+    the ring on its way to a full round); a retracts R+1, records R, the steady round it
+    committed, before its full report (`record_committed`), and reports for R+1. b meets the
+    record of R, which it failed, as that round's decision: R is over for it, and both meet at
+    R+1 with b lagging one step (a committed R, b did not)."""
+    from lightning_ft.coord.quorum import LocalView, steady_next
+
+    s = MemoryStore()
+    spec = JobSpec(2, 1, 5.0, {"job": "j"})
+    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=2))
+    b = Coordinator(s, "j", 1, 0, spec, MembershipSettings(lease_ttl_s=2))
+    try:
+        for c in (a, b):
+            c.register(0, synced=True)
+        for step in range(3):
+            qa, qb = _both(a, b, step, step)
+        r = qa.round + 1
+        steady = steady_next(qa, LocalView(committed=True, changed=False, digest_due=False))
+        assert steady is not None and steady.round == r and not s.get(a._round_key(r))
+        for c in (a, b):
+            c.adopt_steady(steady)
+        b.retract_steady()  # b's exchange of R failed; nothing recorded it: b reports for R
+        nxt = steady_next(steady, LocalView(committed=True, changed=False, digest_due=False))
+        assert nxt is not None
+        a.adopt_steady(nxt)  # a committed R and went steady to R+1, whose exchange b aborted
+        a.retract_steady()
+        a.record_committed(r)  # what rounds.py does before a full round's report
+        assert s.get(a._round_key(r)) is not None
+        qa, qb = _both(a, b, 4, 3)
+        assert qa.round == qb.round == r + 1 and qa == qb, (qa, qb)
+        assert qa.contributors == (0,) and qa.lagging == (1,) and qa.max_step == 4
+    finally:
+        a.close(), b.close(), s.close()
+
+
 def test_a_state_made_by_an_older_round_is_decided_stale_with_an_event():
     """Provenance through the store: both report step 4 of the same generation, r1's made by an
     older round. The decider makes r1 lagging and records a `stale` event naming both rounds."""

@@ -35,19 +35,22 @@ class Run:
 
 
 def lft_cmd(run_dir: str, job: str, etcd_endpoint: str, *script_args: str, replicas: int = 2, nproc: int = 1,
-            overrides: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT) -> list[str]:
-    return [sys.executable, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(replicas),
+            overrides: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT,
+            python: str = sys.executable) -> list[str]:
+    """`python` runs the launcher and so the replicas (tests/fabric: the LitGPT venv's)."""
+    return [python, "-m", "lightning_ft.launch.cli", "run", "--replicas", str(replicas),
             "--nproc-per-replica", str(nproc), "--etcd", etcd_endpoint, "--job", job, "--run-dir", run_dir,
             "--no-status", "--timeout", str(timeout - 20), "--max-restarts", "3", script, *script_args,
             "etcd.lease_ttl_s=1", "failure.restart_delay_s=0.2", "quorum.init_timeout_s=60", *overrides]
 
 
 def lft_run(tmp_path, etcd_endpoint: str, *script_args: str, replicas: int = 2, nproc: int = 1,
-            overrides: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT) -> Run:
+            overrides: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT,
+            python: str = sys.executable) -> Run:
     job = "lit" + uuid.uuid4().hex[:8]
     run_dir = str(tmp_path / job)
     cmd = lft_cmd(run_dir, job, etcd_endpoint, *script_args, replicas=replicas, nproc=nproc, overrides=overrides,
-                  timeout=timeout, script=script)
+                  timeout=timeout, script=script, python=python)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return collect(run_dir, job, etcd_endpoint, replicas, proc)
 
