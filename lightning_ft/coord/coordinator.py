@@ -35,7 +35,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Generator, Optional, Sequence, TypeVar
 
-from . import keys, stragglers
+from . import keys, straggler_rule, stragglers
 from .addresses import Addresses
 from .benched import IN, LEFT, Outside
 from .membership import (CoordinatorClosed, Evicted, JobHalted, Membership,
@@ -490,20 +490,9 @@ class Coordinator:
         assert q is not None  # the round was decided (quorum): the caller wrote no halt
         for rid, (mine, majority) in decision.diverged.items():
             self._emit("diverged", replica=rid, step=q.max_step, digest=mine, majority=majority, round=round)
-        for rid, ratio in sorted(decision.stragglers.items()):
-            excluded = decision.excluded_straggler if decision.excluded_straggler and \
-                decision.excluded_straggler[0] == rid else None
-            split = next(((g, n) for r, g, n in q.shrink_next if r == rid), None)  # policy "shrink"
-            if excluded is None and rid in self._stragglers:
-                continue  # still slow, already said (policy "wait"; "shrink": its split follows in the reasons)
-            self._emit("straggler", replica=rid, ratio=float(f"{ratio:.3f}"), window=self.spec.straggler_window,
-                       threshold=self.spec.straggler_threshold, policy=self.spec.straggler_policy,
-                       step=q.max_step, round=round,
-                       **({"benched": True, "exclusions": excluded[2]} if excluded else {}),
-                       **({"gives": split[0], "of": split[1]} if split else {}))
+        for name, fields in straggler_rule.events(decision, q, self.spec, said=self._stragglers):
+            self._emit(name, **fields)
         self._stragglers = set(decision.stragglers)
-        for rid, (k, ratio) in sorted(decision.readmitted.items()):
-            self._emit("readmitted", replica=rid, round=round, step=q.max_step, exclusions=k, probe_ratio=ratio)
         for rid, (made, newest) in decision.stale.items():
             self._emit("stale", replica=rid, step=q.max_step, made=list(made), newest=list(newest), round=round)
         if q.rewind is not None:

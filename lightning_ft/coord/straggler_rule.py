@@ -4,10 +4,10 @@ announced and what the round's reason says, out. Pure, like the rules it applies
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from . import stragglers
-from .round_records import JobSpec, Quorum, Report
+from .round_records import Decision, JobSpec, Quorum, Report
 
 
 def probe_of(rep: Report) -> stragglers.Probe:
@@ -86,3 +86,24 @@ def apply(round: int, valid: dict[int, Report], benched: Mapping[int, Report], r
         k = next((k for rid, _, k in verdict.standing.parole if rid == r), 0)
         back[r] = (k, float(f"{ms / pace:.3f}") if ms > 0 and pace > 0 else -1.0)
     return Rule14(verdict, shrink_next, back)
+
+
+def events(decision: Decision, q: Quorum, spec: JobSpec, said: set[int]) -> list[tuple[str, dict[str, Any]]]:
+    """The decider's rule-14 events of a round: a `straggler` event for each new straggler (`said`:
+    the last round's, already told; one benched now is told again) with its ratio, and `benched`
+    or its split; a `readmitted` event for each straggler back."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for rid, ratio in sorted(decision.stragglers.items()):
+        excluded = decision.excluded_straggler if decision.excluded_straggler and \
+            decision.excluded_straggler[0] == rid else None
+        split = next(((g, n) for r, g, n in q.shrink_next if r == rid), None)  # policy "shrink"
+        if excluded is None and rid in said:
+            continue  # still slow, already said (policy "wait"; "shrink": its split follows in the reasons)
+        out.append(("straggler", dict(replica=rid, ratio=float(f"{ratio:.3f}"), window=spec.straggler_window,
+                                      threshold=spec.straggler_threshold, policy=spec.straggler_policy,
+                                      step=q.max_step, round=q.round,
+                                      **({"benched": True, "exclusions": excluded[2]} if excluded else {}),
+                                      **({"gives": split[0], "of": split[1]} if split else {}))))
+    for rid, (k, ratio) in sorted(decision.readmitted.items()):
+        out.append(("readmitted", dict(replica=rid, round=q.round, step=q.max_step, exclusions=k, probe_ratio=ratio)))
+    return out
