@@ -116,6 +116,10 @@ class SimJob:
         self.incarnations = {r: 0 for r in range(cfg.replicas)}
         self.checkpoints: dict[int, tuple[ModelState, dict[int, int]]] = {}
         self.violations: list[str] = []
+        self.refused: list[str] = []
+        """Why each intruder's process ended (ConfigMismatch: refused before it registered)."""
+        self.decisions: list[tuple[float, str, dict]] = []
+        """(when, name, fields) of every decision event (a scenario reads what the job decided)."""
         self.digests: dict[tuple[int, int], tuple[int, int]] = {}
         """(gen, step) -> (a replica whose commit the ledger accepted, the state digest after it)."""
         self.slow: dict[int, tuple[float, float]] = {}
@@ -139,6 +143,7 @@ class SimJob:
     def decided(self, name: str, **fields: Any) -> None:
         """The coordinator's decision events (rewind, diverged, halt, straggler, excluded, stale)."""
         self.world.note(f"decided {name} {sorted(fields.items())}")
+        self.decisions.append((self.world.now, name, fields))
         if name == "halt":
             self.halted = str(fields.get("reason", ""))
 
@@ -300,7 +305,10 @@ class SimJob:
         """A process with another secret (another fingerprint) tries to join as replica `rid`."""
         r = SimReplica(self, rid, 97, ModelState(), fingerprint={**self.spec.fingerprint, "secret_tag": "other"})
         p = self.world.spawn(f"intruder{rid}", r.body())
-        p.on_exit = lambda p: self.world.note(f"intruder refused: {type(p.error).__name__}")
+        def refused(p: Proc) -> None:
+            self.refused.append(type(p.error).__name__)
+            self.world.note(f"intruder refused: {type(p.error).__name__}")
+        p.on_exit = refused
 
     # -- faults --------------------------------------------------------------------------------------
     def _fault(self, f: Fault) -> None:
