@@ -61,8 +61,9 @@ def test_a_shrunk_straggler_gives_micro_batches_away_and_the_job_trains_the_same
     g = shrunk[-1]["shrunk"][0][1]
     assert shrunk[-1]["shrunk"] == [[1, g, N]] and 0 < g < N and shrunk[-1]["skip"] == list(range(N - g, N))
     # it computed only what it kept (its own rows are per micro-batch Lightning delivered) ...
-    took = [tuple(m) for r in r0 + r2 if r.get("shrunk") for m in r["took"]]
-    assert took and all(m[0] == 1 and m[2] >= N - g for m in took)
+    # (g follows the measured ratio: under load it can move between rounds; each round's own split)
+    took = [(tuple(m), r["shrunk"][0][1]) for r in r0 + r2 if r.get("shrunk") for m in r["took"]]
+    assert took and all(m[0] == 1 and m[2] >= N - gr for m, gr in took)
     # ... and the helpers took the rest: every step trained all R slot batches, exactly once
     assert run.ledger.ok and run.ledger.steps == STEPS, (run.ledger.duplicates, run.ledger.gaps)
     assert {s: run.ledger.trained[s] for s in range(R)} == {s: list(range(STEPS)) for s in range(R)}
