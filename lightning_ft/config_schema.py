@@ -106,19 +106,21 @@ class StragglersConfig:
     a job must use the same values (the round's decider applies its own)."""
 
     policy: str = "exclude"
-    """"exclude" (the default): a straggler sits out a probation of rounds (doubling while it
-    stays slow), then rejoins by catch-up and is measured again; its slot's batches follow
-    `batch_policy` (under "shrink" they wait for it). "shrink": it keeps training, but gives
-    some of its slot batch's micro-batches (gradient accumulation) to the others, so the global
-    batch stays the same; one that cannot split its batch (no accumulation, manual optimization,
-    a stream loader) is excluded instead. "wait": the job runs at the straggler's pace (the
-    `straggler` event says so)."""
+    """"exclude" (the default): a straggler is benched: the others train without it while it
+    computes its batch again and again, committing nothing, to measure its pace; it rejoins by
+    catch-up once that pace has been within `threshold` of the others' for a second (doubling
+    on each exclusion, at most 4 s); its slot's batches follow `batch_policy` (under "shrink"
+    they wait for it). "shrink": it keeps training, but gives some of its slot batch's
+    micro-batches (gradient accumulation) to the others, so the global batch stays the same;
+    one that cannot split its batch (no accumulation, manual optimization, a stream loader) is
+    benched instead. "adaptive": shrink one that a split evens out, bench one slower than that.
+    "wait": the job runs at the straggler's pace (the `straggler` event says so)."""
     threshold: float = 1.3
     """A replica whose compute time (data, forward, backward: up to ready-to-exchange) is this
     many times the median of the others' is a straggler; 0 = no detection."""
     window: int = 10
-    """Compute time is the mean over a replica's last this-many cleanly trained steps; a
-    replica is judged only once it has that many since it (re)joined."""
+    """Compute time is the mean over a replica's newest cleanly trained steps covering a second
+    and at least this many; a replica is judged only once it has that many since it (re)joined."""
 
 
 @dataclass

@@ -48,6 +48,9 @@ class Role(StrEnum):
     """The replica whose state a sync round publishes."""
     ADOPT = "adopt"
     """A member of a sync round that takes the source's state."""
+    BENCH = "bench"
+    """A straggler benched by rule 14, outside the round: it computes its batch to measure its
+    pace and commits nothing (coord/stragglers.py)."""
 
 
 class ExitCode(IntEnum):

@@ -195,11 +195,19 @@ def summarize(data: RunData) -> dict:
         "val_bpb": val,
         "stragglers": [{"replica": e.get("replica"), "step": e.get("step"), "ratio": e.get("ratio"),
                         "window": e.get("window"), "policy": e.get("policy"),
-                        "until_round": e.get("until_round"),
+                        "benched": e.get("exclusions") if e.get("benched") else None,
+                        "out_s": _out_s(data.events, e) if e.get("benched") else None,
                         "kept": f"{e['of'] - e['gives']}/{e['of']}" if e.get("of") else None}
                        for e in data.events if e["event"] == "straggler"],
         "hangs": [hang_row(e) for e in data.events if e["event"] == "hang" and e.get("diagnosis")],
     }
+
+
+def _out_s(events: list[dict], e: dict) -> float | None:
+    """Seconds from a straggler's bench to its readmission (None: not readmitted)."""
+    back = [x["t"] for x in events if x["event"] == "readmitted" and x.get("replica") == e.get("replica")
+            and x["t"] >= e["t"]]
+    return round(min(back) - e["t"], 3) if back else None
 
 
 def hang_row(e: dict) -> dict:
@@ -320,13 +328,15 @@ def markdown(summary: dict) -> str:
                     ["from step", "to step", "source", "lost steps"],
                     [[r["from"], r["to"], r["checkpoint"] or "a surviving replica or step 0", r["lost_steps"]]
                      for r in summary.get("rewinds") or []])
-    lines += _table("Stragglers", ["A replica whose compute per step (mean over its last `window` steps) was `ratio` "
-                                   "times the", "median of the others' (coord/stragglers.py). Under `exclude` it sat "
-                                   "out until `until round`; under `shrink` it", "trained `kept` of its micro-batches "
-                                   "and the others the rest."],
-                    ["replica", "at step", "ratio", "window", "policy", "until round", "kept"],
+    lines += _table("Stragglers", ["A replica whose compute per step (mean over its last second, and `window` steps) "
+                                   "was `ratio` times the", "median of the others' (coord/stragglers.py). Benched "
+                                   "(its `benched`-th exclusion), it waited outside the rounds", "for `out s` seconds, "
+                                   "until its pace was back; shrunk, it trained `kept` of its micro-batches and the "
+                                   "others the rest."],
+                    ["replica", "at step", "ratio", "window", "policy", "benched", "out s", "kept"],
                     [[e["replica"], e["step"], e["ratio"], e["window"], e["policy"],
-                      "-" if e["until_round"] is None else e["until_round"], e.get("kept") or "-"]
+                      "-" if e.get("benched") is None else e["benched"], "-" if e.get("out_s") is None else e["out_s"],
+                      e.get("kept") or "-"]
                      for e in summary.get("stragglers") or []])
     hangs = summary.get("hangs") or []
     lines += _table("Hangs", ["A replica whose lease lapsed while its processes ran: the rank to blame (its process "

@@ -46,11 +46,11 @@ def test_every_batch_policy_plans_a_round(policy):
 
 def test_roles_are_their_strings_and_cover_both_round_kinds():
     common = dict(epoch=1, members=(0, 1), incarnations=(0, 0), max_step=5)
-    train = Quorum(round=1, contributors=(0,), lagging=(1,), kind="train", **common)
+    train = Quorum(round=1, contributors=(0,), lagging=(1,), kind="train", slow=((2, 1, 1),), **common)
     sync = Quorum(round=2, contributors=(1,), lagging=(0,), kind="sync", **common)  # source: replica 1
-    got = {adopt_role(train, 0), adopt_role(train, 1), adopt_role(sync, 1), adopt_role(sync, 0)}
+    got = {adopt_role(train, 0), adopt_role(train, 1), adopt_role(sync, 1), adopt_role(sync, 0), adopt_role(train, 2)}
     assert got == set(Role) and all(isinstance(r, str) for r in got)
-    assert adopt_role(train, 1) == "catchup" and adopt_role(sync, 0) == "adopt"
+    assert adopt_role(train, 1) == "catchup" and adopt_role(sync, 0) == "adopt" and adopt_role(train, 2) == "bench"
 
 
 def test_exit_codes_are_distinct_and_a_halt_is_not_a_common_program_code():

@@ -132,21 +132,23 @@ def test_a_rewind_is_reported_and_its_lost_steps_count_as_lost(tmp_path):
     assert "## Rewinds" in md and "| 45 | 40 | /ck/step_00000040 | 5 |" in md
 
 
-def test_a_straggler_is_reported_with_its_ratio_window_and_probation(tmp_path):
+def test_a_straggler_is_reported_with_its_ratio_window_and_bench(tmp_path):
     rows = [(T0 + i * STEP, i, [0, 1, 2], 0) for i in range(1, 31)]
     ev = {"t": T0 + 10, "event": "straggler", "replica": 2, "incarnation": 0, "by": 0, "ratio": 2.917, "window": 10,
-          "threshold": 1.3, "policy": "exclude", "step": 19, "round": 20, "until_round": 84, "exclusions": 1}
-    write_steps(str(tmp_path), {0: rows, 1: rows, 2: rows}, events=[ev])
+          "threshold": 1.3, "policy": "exclude", "step": 19, "round": 20, "benched": True, "exclusions": 1}
+    back = {"t": T0 + 22.5, "event": "readmitted", "replica": 2, "incarnation": 0, "by": 0, "round": 90, "step": 88,
+            "exclusions": 1, "probe_ratio": 1.1}
+    write_steps(str(tmp_path), {0: rows, 1: rows, 2: rows}, events=[ev, back])
     s = report.summarize(report.load(str(tmp_path)))
     assert s["stragglers"] == [{"replica": 2, "step": 19, "ratio": 2.917, "window": 10, "policy": "exclude",
-                                "until_round": 84, "kept": None}]
+                                "benched": 1, "out_s": 12.5, "kept": None}]
     md = report.markdown(s)
-    assert "## Stragglers" in md and "| 2 | 19 | 2.917 | 10 | exclude | 84 | - |" in md
+    assert "## Stragglers" in md and "| 2 | 19 | 2.917 | 10 | exclude | 1 | 12.5 | - |" in md
     shrunk = {**ev, "policy": "shrink", "gives": 2, "of": 4}
-    del shrunk["until_round"], shrunk["exclusions"]
+    del shrunk["benched"], shrunk["exclusions"]
     write_steps(str(tmp_path / "s"), {0: rows, 1: rows, 2: rows}, events=[shrunk])
     md = report.markdown(report.summarize(report.load(str(tmp_path / "s"))))
-    assert "| 2 | 19 | 2.917 | 10 | shrink | - | 2/4 |" in md
+    assert "| 2 | 19 | 2.917 | 10 | shrink | - | - | 2/4 |" in md
     write_steps(str(tmp_path / "b"), {0: rows, 1: rows}, events=[])
     assert "## Stragglers\n\nnone" in report.markdown(report.summarize(report.load(str(tmp_path / "b"))))
 

@@ -35,8 +35,9 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Generator, Optional, Sequence, TypeVar
 
-from . import keys
+from . import keys, straggler_rule, stragglers
 from .addresses import Addresses
+from .benched import IN, LEFT, Outside
 from .membership import (CoordinatorClosed, Evicted, JobHalted, Membership,
                          MembershipSettings, QuorumTimeout)
 from .quorum import compute_quorum, waiting_for
@@ -106,6 +107,8 @@ class Coordinator:
         """Decisions evaluated from etcd (one a round when the watched reports allow it)."""
         self._stragglers: set[int] = set()
         """Stragglers of the last round this leader decided (a `straggler` event per new one)."""
+        self.outside: Optional[Outside] = None
+        """Set while rule 14 benches us: we wait outside the rounds (coord/benched.py)."""
 
     # -- the membership, for callers -------------------------------------------------------------
     def register(self, step: int, addrs: Sequence[str] = (), state_addrs: Sequence[str] = (), **state: Any) -> None:
@@ -160,9 +163,9 @@ class Coordinator:
         bad_checkpoints); fields not given keep their last value, except that a digest is
         reported once.
 
-        Blocks until the round is decided, moving to later rounds while we are left out.
-        Raises QuorumTimeout after `timeout_s`, Evicted if this incarnation was evicted,
-        JobHalted if the job was stopped."""
+        Blocks until the round is decided, moving to later rounds while we are left out (benched
+        by rule 14: not; `outside`). Raises QuorumTimeout after `timeout_s`, Evicted if this
+        incarnation was evicted, JobHalted if the job was stopped."""
         return wait_out(self.quorum_steps(step, timeout_s, cursor, ring_ok, **state), self.membership.wake)
 
     def quorum_steps(self, step: int, timeout_s: Optional[float] = None, cursor: Optional[int] = None,
@@ -171,6 +174,17 @@ class Coordinator:
         a lapsed lease, close) before it looks again, and returns the quorum. `quorum` waits on a
         thread; the simulator (lightning_ft/sim) waits on its virtual clock."""
         m = self.membership
+        probing = bool(state.pop("probing", False))
+        if self.outside is not None:  # benched (rule 14): coord/benched.py
+            how, q = yield from self.outside.steps(m, self._clock, step, {**state, "ring_ok": ring_ok, "cursor": (
+                m.report.cursor if cursor is None else cursor)}, probing)
+            if how == IN:
+                self.outside = None
+                self._adopt(q)
+            if how != LEFT:
+                return q
+            self.outside = None  # no longer benched, not taken back: report for the next round
+            self._current, self._next_round = q, q.round + 1
         deadline = None if timeout_s is None else self._clock() + timeout_s
         # Changes seen from here on count for the round after this one: whatever happened before
         # our report, the decider reads from etcd when it evaluates this round.
@@ -244,10 +258,15 @@ class Coordinator:
                     continue
                 if taken:
                     return q
-                # Left out: evicted (exit), or we reported too late (try the next round).
+                # Left out: evicted (exit), benched (rule 14), or we reported too late (try the next round).
                 if self.store.get(keys.evict(self.root, self.rid, self.incarnation)) is not None:
                     raise Evicted(f"replica {self.rid} incarnation {self.incarnation} was evicted; exiting so "
                                   "the supervisor restarts it")
+                bench = stragglers.bench_entry(q.slow, self.rid)
+                if bench is not None:
+                    self.outside = Outside(*bench, self._clock(), q)
+                    m.watched.forget_decisions(q.round)
+                    return q
                 if m.report.joining:
                     # our report counts for every round (rule 1): a later one may already have us
                     later = self._recorded_with_us(round)
@@ -474,17 +493,8 @@ class Coordinator:
         assert q is not None  # the round was decided (quorum): the caller wrote no halt
         for rid, (mine, majority) in decision.diverged.items():
             self._emit("diverged", replica=rid, step=q.max_step, digest=mine, majority=majority, round=round)
-        for rid, ratio in sorted(decision.stragglers.items()):
-            excluded = decision.excluded_straggler if decision.excluded_straggler and \
-                decision.excluded_straggler[0] == rid else None
-            split = next(((g, n) for r, g, n in q.shrink_next if r == rid), None)  # policy "shrink"
-            if excluded is None and rid in self._stragglers:
-                continue  # still slow, already said (policy "wait"; "shrink": its split follows in the reasons)
-            self._emit("straggler", replica=rid, ratio=float(f"{ratio:.3f}"), window=self.spec.straggler_window,
-                       threshold=self.spec.straggler_threshold, policy=self.spec.straggler_policy,
-                       step=q.max_step, round=round,
-                       **({"until_round": excluded[1], "exclusions": excluded[2]} if excluded else {}),
-                       **({"gives": split[0], "of": split[1]} if split else {}))
+        for name, fields in straggler_rule.events(decision, q, self.spec, said=self._stragglers):
+            self._emit(name, **fields)
         self._stragglers = set(decision.stragglers)
         for rid, (made, newest) in decision.stale.items():
             self._emit("stale", replica=rid, step=q.max_step, made=list(made), newest=list(newest), round=round)

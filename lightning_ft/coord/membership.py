@@ -118,7 +118,7 @@ class Membership:
         self.on_failure = on_failure
         self._clock = clock
         self.root = keys.root(self.settings.prefix, job, run)
-        self.watched = Watched(self.root, rid)
+        self.watched = Watched(self.root, rid, spec.straggler_threshold)
         """What the watches delivered (thread-safe)."""
         self.wake = event()
         """Set when something the rounds wait for may have happened (a watch event, a lapsed lease, close)."""

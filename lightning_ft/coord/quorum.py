@@ -54,16 +54,19 @@ Rules, in order:
 13. Batches. Under batch_policy "constant" a train round carries the cursor of every slot
    (`slot_cursors`): contributors' as reported, the others' from the ledger (History), so
    that contributors train the absent slots too (replica/batch_policy.py).
-14. Stragglers (after rule 5, coord/stragglers.py): a member whose reported compute time is
+14. Stragglers (coord/stragglers.py): a member whose reported compute time is
    `JobSpec.straggler_threshold` times the median of the others' in two non-overlapping
    windows (`Quorum.suspects` holds the first) is a straggler (`Decision.stragglers`).
-   Under policy "exclude" the slowest one sits out a probation of rounds (`Quorum.slow`,
-   doubling on each repeat; it is not a member and the round does not wait for it), unless
-   that would leave fewer than min_replicas members; it then rejoins as lagging and is
-   measured afresh. Under policy "shrink" a straggler that can split its slot batch keeps
-   training fewer micro-batches (`Quorum.shrink_next`, announced a round ahead, in effect as
-   `Quorum.shrunk` in the train rounds after it, for its contributors); one that cannot is
-   excluded as under "exclude".
+   Under policy "exclude" the slowest one is benched (`Quorum.slow`; not a member, not waited
+   for), unless that would leave fewer than min_replicas members. A benched replica's report
+   (`bench` >= 0) counts for every round; it is set aside before rule 5 and readmitted, as a
+   member that lags, once its probe (its pace outside the rounds) is within the threshold of
+   the members' over a whole span (`Decision.readmitted`; `Quorum.parole` keeps its count).
+   Under policy "shrink" a straggler that can split its slot batch keeps training fewer
+   micro-batches (`Quorum.shrink_next`, announced a round ahead, in effect as `Quorum.shrunk`
+   in the train rounds after it, for its contributors); one that cannot is benched as under
+   "exclude"; "adaptive" also benches one that a split cannot bring within the threshold.
+   `Quorum.pace_ms` records the members' median measure.
 15. Optimizer steps (manual optimization with several optimizers; after rule 8): every
    `optimizer.step()` is one round. A report names the optimizer its next round steps
    (`opt`; -1: not known yet, a replica before its first batch) and whether that round
@@ -83,7 +86,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 from lightning_ft.constants import Role
-from lightning_ft.coord import stragglers
+from lightning_ft.coord import straggler_rule, stragglers
 from lightning_ft.coord.round_records import (SYNC, TRAIN, Decision, History, JobSpec, Quorum, Report)
 
 _NO_HISTORY = History()
@@ -117,8 +120,8 @@ def _names(rids) -> str:
 
 
 def _quarantined(round: int, previous: Optional[Quorum]) -> dict[int, int]:
-    """Replicas sitting out `round`: rule 5's quarantine and rule 14's probation."""
-    entries = (previous.quarantine + previous.slow) if previous else ()
+    """Replicas sitting out `round` by rule 5's quarantine (rule 14's benched are set aside later)."""
+    entries = previous.quarantine if previous else ()
     return {rid: until for rid, until, _ in entries if round < until}
 
 
@@ -136,8 +139,9 @@ def _valid(round: int, reports: Mapping[int, Report], evicted, job: JobSpec,
         if diff:
             refused[rid] = f"replica {rid} (incarnation {rep.incarnation}) refused: job config differs in {diff}"
             continue
-        joiner = rep.joining and (rid, rep.incarnation) not in members
-        if (rep.round >= round or joiner) and rid not in quarantined:
+        # a joiner, or a benched straggler (rule 14), waits outside the rounds: it counts for every one
+        outside = (rep.joining or rep.bench >= 0) and (rid, rep.incarnation) not in members
+        if (rep.round >= round or outside) and rid not in quarantined:
             valid[rid] = rep
     return refused, valid
 
@@ -197,24 +201,17 @@ def compute_quorum(
     if wait:
         return Decision(None, wait, refused)
 
+    # Rule 14, first part: benched stragglers wait outside; rule 5 judges the members alone.
+    benched = straggler_rule.set_aside(valid, previous)
+
     # Rule 5: a partition that keeps breaking the ring excludes one member.
     strikes, quarantine, excluded = _strikes(round, valid, previous)
     for rid in excluded:
         valid.pop(rid)
 
-    # Rule 14: stragglers.
-    shrinking = job.straggler_policy == stragglers.SHRINK
-    micro = {r: rep.micro for r, rep in valid.items()}
-    flagged, slow_out, slow, suspects = stragglers.decide(
-        round, {r: (rep.compute_ms, rep.compute_round) for r, rep in valid.items()}, tuple(sorted(valid)),
-        previous.slow if previous is not None else (), job.straggler_threshold, job.straggler_policy,
-        job.min_replicas, job.replicas, job.straggler_window, previous.suspects if previous is not None else (),
-        excludable=set(valid) - stragglers.splittable(micro) if shrinking else None)
-    if slow_out is not None:
-        valid.pop(slow_out[0])
-        micro.pop(slow_out[0])
-    shrink_next = stragglers.shrink(flagged, suspects, previous.shrink_next if previous is not None else (),
-                                    micro, job.replicas) if shrinking else ()
+    # Rule 14: stragglers (coord/straggler_rule.py).
+    r14 = straggler_rule.apply(round, valid, benched, reports, evicted, refused, previous, job)
+    verdict, shrink_next = r14.verdict, r14.shrink_next
 
     # Rule 4: min_replicas.
     if len(valid) < job.min_replicas:
@@ -326,10 +323,7 @@ def compute_quorum(
         change = ", ".join(parts)
     if excluded:
         notes.append(f"excluded {_names(excluded)} after {STRIKES} failed ring rounds (partition)")
-    if flagged:
-        notes.append("straggler " + ", ".join(f"r{r} ({x:.2f}x the others' compute)"
-                                              for r, x in sorted(flagged.items()))
-                     + (f"; r{slow_out[0]} sits out until round {slow_out[1]}" if slow_out is not None else ""))
+    notes += r14.notes(job.straggler_threshold)
     shrunk = stragglers.effective(previous.shrink_next, contributors) \
         if previous is not None and kind == TRAIN and not cont else ()
     if shrunk or shrink_next:
@@ -353,11 +347,13 @@ def compute_quorum(
                contributors=contributors, lagging=lagging, slot_cursors=slot_cursors,
                cursors=tuple(valid[r].cursor for r in members), reason=reason, gen=gen, kind=kind,
                rewind=rewind, diverged=tuple(sorted(diverged)), verified_step=verified, strikes=strikes,
-               quarantine=quarantine, slow=slow, suspects=suspects, stop=any(valid[r].stop for r in members),
+               quarantine=quarantine, slow=verdict.standing.slow, parole=verdict.standing.parole,
+               pace_ms=verdict.standing.pace_ms, suspects=verdict.standing.suspects,
+               stop=any(valid[r].stop for r in members),
                shrunk=shrunk, shrink_next=shrink_next,
                opt=opt, cont=cont, first=first)
-    return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=flagged,
-                    excluded_straggler=slow_out)
+    return Decision(q, reason, refused, diverged=diverged, stale=stale, stragglers=verdict.stragglers,
+                    excluded_straggler=verdict.excluded, readmitted=r14.readmitted)
 
 
 def phase_of(phases: Mapping[int, tuple[int, bool]], first: int = -1) -> tuple[int, bool, tuple[int, ...]]:
@@ -415,7 +411,9 @@ def _strikes(round: int, valid: Mapping[int, Report], previous: Optional[Quorum]
 
 def adopt_role(q: Quorum, rid: int) -> Role:
     """This replica's role in `q`: train or catch up (a train round, lagging); the source or
-    an adopter (a sync round)."""
+    an adopter (a sync round); benched (not a member: a straggler rule 14 benched)."""
+    if rid not in q.members:
+        return Role.BENCH
     if q.kind == SYNC:
         return Role.SOURCE if rid == q.source else Role.ADOPT
     return Role.TRAIN if rid in q.contributors else Role.CATCHUP
@@ -438,6 +436,9 @@ class LocalView:
     same sums, so every one of them agrees."""
     stop: bool = False
     """This replica asks to stop."""
+    slow: bool = False
+    """This replica's own measure is slow against the round's pace (stragglers.self_check): the
+    decider should see it now, not at the next periodic full round."""
     opt: int = 0
     """The optimizer this replica's next round steps (rule 15)."""
     cont: bool = False
@@ -457,7 +458,7 @@ def steady_next(q: Quorum, view: LocalView) -> Optional[Quorum]:
     the others may go steady (`must_abort`) aborts the ring, so their exchange fails at once
     and they go full too. The highest-step-is-healthy rule is kept: all members of a steady
     round committed the same steps, and the 2PC is unchanged."""
-    if not view.committed or view.changed or view.stop or _full_anyway(q, view):
+    if not view.committed or view.changed or view.stop or view.slow or _full_anyway(q, view):
         return None
     if not steady_eligible(q):
         return None
@@ -482,7 +483,7 @@ def steady_eligible(q: Quorum) -> bool:
     """Whether a round after `q` may be steady, judged from `q` alone (the same everywhere)."""
     if q.kind != TRAIN or q.lagging or q.diverged or q.rewind is not None or q.stop:
         return False
-    return not any(until == q.round + 1 for _, until, _ in q.quarantine + q.slow)
+    return not any(until == q.round + 1 for _, until, _ in q.quarantine)
 
 
 def _full_anyway(q: Quorum, view: LocalView) -> bool:

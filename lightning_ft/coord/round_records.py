@@ -59,10 +59,20 @@ class Report:
     """(round, epoch) of the round that made this state: its last commit, or the sync round
     in which it adopted (or was the source). (-1, -1): not known (a fresh process). Rule 8."""
     compute_ms: float = -1.0
-    """Mean time of its last `stragglers.window` cleanly trained steps from the end of the
-    previous step to ready-to-exchange; -1 while it has fewer since it (re)joined. Rule 14."""
+    """Mean time from the end of the previous step to ready-to-exchange of its newest cleanly
+    trained steps covering `stragglers.MEASURE_S` and at least `stragglers.window` of them; -1
+    while it has fewer since it (re)joined. Rule 14."""
     compute_round: int = -1
     """The round of the newest step in `compute_ms`."""
+    compute_n: int = 0
+    """How many steps `compute_ms` covers (0: `stragglers.window`, as older reports meant)."""
+    bench: int = -1
+    """A benched straggler (rule 14): the round that benched it (-1: not benched). Its report
+    counts for every round, and its `compute_ms` is its probe: its pace outside the rounds."""
+    bench_s: float = 0.0
+    """A benched straggler: seconds since it learned it is benched."""
+    probe_s: float = 0.0
+    """A benched straggler: the seconds its probe (`compute_ms`) covers; -1: it cannot probe."""
     opt: int = 0
     """The optimizer its next round steps (-1: not known yet, before its first batch). Rule 15."""
     cont: bool = False
@@ -121,8 +131,15 @@ class Quorum:
     quarantine: tuple[tuple[int, int, int], ...] = ()
     """(rid, until_round, exclusions) of members excluded by rule 5."""
     slow: tuple[tuple[int, int, int], ...] = ()
-    """(rid, until_round, exclusions) of stragglers excluded by rule 14 (policy "exclude");
-    an entry stays after its probation until the replica is measured within the threshold."""
+    """(rid, round that benched it, exclusions) of stragglers benched by rule 14: not members,
+    they measure their pace outside the rounds until it is within the threshold
+    (coord/stragglers.py)."""
+    parole: tuple[tuple[int, int, int], ...] = ()
+    """(rid, round it returned, exclusions) of readmitted stragglers not forgiven yet: benched
+    again, their count goes on."""
+    pace_ms: float = -1.0
+    """The median of the members' compute measures at the last full round (-1: none): what a
+    benched straggler's probe, and a member's own measure between full rounds, compare with."""
     suspects: tuple[tuple[int, int, int], ...] = ()
     """(rid, round of its first flag, round of its newest flag) of members flagged by rule 14,
     not yet confirmed as stragglers by a non-overlapping window nor cleared by a whole window
@@ -176,6 +193,7 @@ class Quorum:
         d["slot_cursors"] = tuple(d.get("slot_cursors", ()))
         d["quarantine"] = tuple(tuple(q) for q in d.get("quarantine", ()))
         d["slow"] = tuple(tuple(q) for q in d.get("slow", ()))
+        d["parole"] = tuple(tuple(q) for q in d.get("parole", ()))
         d["suspects"] = tuple(tuple(q) for q in d.get("suspects", ()))
         d["shrunk"] = tuple(tuple(q) for q in d.get("shrunk", ()))
         d["shrink_next"] = tuple(tuple(q) for q in d.get("shrink_next", ()))
@@ -218,7 +236,7 @@ class JobSpec:
     straggler_threshold: float = 0.0
     """Rule 14: compute time over the median of the others' that makes a straggler; 0 = off."""
     straggler_policy: str = "wait"
-    """Rule 14: "wait" (report only), "exclude" or "shrink"."""
+    """Rule 14: "wait" (report only), "exclude", "shrink" or "adaptive"."""
     straggler_window: int = 10
     """Rule 14: the steps each report's compute time is a median of (for the event)."""
 
@@ -259,4 +277,7 @@ class Decision:
     """Rule 14: replica id -> its compute time over the median of the others', for the
     `straggler` event (every straggler, whatever the policy)."""
     excluded_straggler: Optional[tuple[int, int, int]] = None
-    """Rule 14, policy "exclude": (rid, until_round, exclusions) of the straggler excluded now."""
+    """Rule 14: (rid, round, exclusions) of the straggler benched now."""
+    readmitted: Mapping[int, tuple[int, float]] = field(default_factory=dict)
+    """Rule 14: benched stragglers that return in this round -> (exclusions, their probe's
+    ratio to the members' pace; -1: not measured), for the `readmitted` event."""

@@ -12,6 +12,7 @@ import json
 import threading
 from typing import Optional
 
+from . import stragglers
 from .round_records import Quorum, Report
 from .store import Event
 
@@ -19,8 +20,10 @@ from .store import Event
 class Watched:
     """The watched state of one leader (thread-safe)."""
 
-    def __init__(self, root: str, rid: int) -> None:
+    def __init__(self, root: str, rid: int, threshold: float = 0.0) -> None:
         self._root, self._rid = root, rid
+        self._threshold = threshold
+        """stragglers.threshold: a benched straggler's report asks for a full round once it is ready."""
         self._lock = threading.Lock()
         self._quorum: Optional[Quorum] = None
         """The round the round thread is in (`follow`): its members' failures are failures."""
@@ -72,8 +75,12 @@ class Watched:
                 if report is not None and rid != self._rid and q is not None and (
                         rid not in q.members or report.incarnation != q.incarnations[q.members.index(rid)]):
                     # a joiner still reporting (left out of a round), or a new incarnation of a member
-                    # (a warm spare promoted before the old one's lease lapsed): take it in
-                    changed = True
+                    # (a warm spare promoted before the old one's lease lapsed): take it in; a benched
+                    # straggler only once its probe says it is fast again (rule 14)
+                    bench = stragglers.bench_entry(q.slow, rid)
+                    changed = bench is None or stragglers.ready(
+                        stragglers.Probe(report.compute_ms, report.probe_s, report.bench, report.bench_s),
+                        *bench, q.pace_ms, self._threshold)
         return changed, failed
 
     # -- the round thread ------------------------------------------------------------------------

@@ -24,6 +24,9 @@ first train round, which it keeps for the first step):
 - catchup:  exchange zeros and fetch the contributors' state meanwhile, vote, clip, apply; then
             the step's own batch is trained in a later round (or was trained by the job);
 - sync:     take part in a sync round (the job's start, a resume, a rewind);
+- bench:    a straggler benched by quorum rule 14 (not a member): recompute the batch to
+            measure its pace (the probe), commit nothing, ask for a round again; a caller that
+            cannot recompute, or `prepare`, only asks again;
 - the job finished ahead of us: fetch a finisher's final state, or leave.
 
 `own_optimizer` and `plan_of` are the pure parts of building a round's plan from its quorum.
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Optional, Union
 
+from lightning_ft.constants import Role
 from lightning_ft.coord.membership import JobFinished
 from lightning_ft.coord.round_records import Quorum
 from lightning_ft.replica.batch_policy import round_batches
@@ -308,6 +312,11 @@ class StepCore:
 
     def _dispatch(self, plan: StepPlan) -> Action:
         self.plan = plan
+        if plan.role == Role.BENCH:  # a benched straggler (quorum rule 14): measure our pace, commit nothing
+            self.clean = False
+            if self.spec.prepare or not self.can_recompute:
+                return Action(Do.ROUND, disarm=True)  # no batch to compute (or it cannot be redone): wait
+            return Action(Do.RECOMPUTE, plan, disarm=True)
         if plan.sync:
             return Action(Do.SYNC, plan, disarm=True)
         if plan.role == "catchup":
@@ -375,6 +384,9 @@ class StepCore:
                 return self._next_round()
             return Action(Do.RESTORE, plan)
         if last in (Do.COMPUTE, Do.RECOMPUTE):
+            if plan.role == Role.BENCH:  # a probe: our whole slot batch's gradients, on our weights
+                self.computed, self.replaced, self.in_grads = True, False, ()
+                return Action(Do.ROUND)
             return self._extras_or_exchange(plan)
         if last is Do.EXTRA:
             return Action(Do.EXCHANGE, plan, save_grads=not self.can_recompute)

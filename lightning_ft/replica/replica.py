@@ -22,9 +22,7 @@ here; a round started early (`begin_step`) runs on the quorum thread from a snap
 aborts the ring."""
 from __future__ import annotations
 
-import collections
 import logging
-import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -46,6 +44,7 @@ from lightning_ft.replica.group import ReplicaGroup
 from lightning_ft.replica.guard import Digests, keep_verified_checkpoints
 from lightning_ft.replica.joining import Parts
 from lightning_ft.replica.optimizers import Optimizers
+from lightning_ft.replica.pace import Pace
 from lightning_ft.replica.plan import StepPlan, StepStats
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.rounds import Round, RoundClient, RoundView
@@ -114,10 +113,8 @@ class Replica:
         """What travels with the tensors besides the optimizer's: the loss scale, the callbacks."""
         self.restart_breakdown: Optional[dict] = None
         """A restarted incarnation's start-up in parts (replica/startup.py), set at its first commit."""
-        self.compute_times: collections.deque[float] = collections.deque(maxlen=max(1, self.straggler_window))
-        """Seconds from the end of the previous step to ready-to-exchange of the last cleanly
-        trained steps since this replica last (re)joined (`compute_ms` in the reports)."""
-        self.compute_round = -1
+        self.pace = Pace(who.rid, self.straggler_window)
+        """The straggler measure: compute per step, the probe while benched (replica/pace.py)."""
         self.committed_round = -1
         self.cursor_stale = False
         self.bad_checkpoints: set[int] = set()
@@ -318,12 +315,10 @@ class Replica:
     # -- rounds ----------------------------------------------------------------------------------
     def _view(self) -> RoundView:
         """What this replica says of itself in its next round (the training thread's snapshot)."""
-        compute = None
-        if len(self.compute_times) >= self.straggler_window:
-            compute = (statistics.fmean(self.compute_times) * 1e3, self.compute_round)
         return RoundView(self.state, self.committed_round, stop=self.request_stop,
                          bad_checkpoints=tuple(sorted(self.bad_checkpoints)), phase=self.phase,
-                         micro=self.micro_batches, compute=compute, cursor_stale=self.cursor_stale, multi=self.multi)
+                         micro=self.micro_batches, compute=self.pace.compute(), probe=self.pace.probed(),
+                         cursor_stale=self.cursor_stale, multi=self.multi)
 
     def _round_in_background(self, view: RoundView) -> Round:
         rnd = self.rounds.next(view)
@@ -349,6 +344,7 @@ class Replica:
             if rnd.cursor_read:
                 self.cursor_stale = False
             self.stats = StepStats(quorum_s=rnd.quorum_s, reconfigure_s=rnd.reconfigure_s, retries=self.stats.retries)
+        self.pace.planned(plan)
         if own and self.multi and plan.contribute:
             plan = own_optimizer(plan, self.phase[0], self.rid)
         if self.multi:

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Optional
 
+from lightning_ft.constants import Role
+from lightning_ft.coord import stragglers
 from lightning_ft.coord.coordinator import Coordinator, wait_out
 from lightning_ft.coord.quorum import LocalView, adopt_role, must_abort, steady_next
 from lightning_ft.coord.round_records import Quorum
@@ -61,8 +63,12 @@ class RoundView:
     bad_checkpoints: tuple[int, ...] = ()
     phase: tuple[int, bool] = (0, False)
     micro: int = 0
-    compute: Optional[tuple[float, int]] = None
-    """(mean compute ms of the last window, the round it ends at), once a window is measured."""
+    compute: Optional[tuple[float, int, int]] = None
+    """(mean compute ms of its newest steps, the round of the newest, how many), once measured
+    (coord/stragglers.py, `pace_over`)."""
+    probe: Optional[tuple[float, float]] = None
+    """Benched (rule 14): (its probe's mean compute ms or -1, the seconds it covers; -1: it cannot
+    probe)."""
     cursor_stale: bool = False
     """A commit failed since the cursor was read: others may have committed our batch."""
     multi: bool = False
@@ -118,6 +124,8 @@ class RoundClient:
         self._background = background or self._in_thread
         self._recorded: tuple[int, float] = (-1, clock())
         """(round, when) of the last steady round this leader recorded."""
+        self._reported = -1
+        """The round of the newest step of the compute measure we last reported (stragglers.self_check)."""
 
     @property
     def is_leader(self) -> bool:
@@ -145,7 +153,7 @@ class RoundClient:
             try:
                 assert self.coord is not None  # the leader registered in start()
                 self.coord.heartbeat()
-                msg = self._steady_round(view)
+                msg = self._steady_round(view) if self.coord.outside is None else None
             except Exception as e:
                 msg = e
         if self.is_leader and msg is None:
@@ -167,11 +175,14 @@ class RoundClient:
             if "src" in mine:
                 self._src_state = (q.round, mine["src"])
         quorum_s = time.perf_counter() - t0
-        reconfigure_s = self._connect(q) if q.epoch != self.epoch else 0.0
         role = adopt_role(q, self.rid)
+        st = self.settings
+        if role == Role.BENCH:  # rule 14 benched us: no ring, nothing to train; the caller probes
+            plan = plan_of(q, self.rid, role, cursor, st.batch_policy, st.lr_intervention, self.replicas)
+            return Round(q, cursor, read, refused, quorum_s, 0.0, plan)
+        reconfigure_s = self._connect(q) if q.epoch != self.epoch else 0.0
         if q.lagging and role == "train":
             self.transfer.publish_for(q, self.rid, self.group.rank, view.state.step, view.state.batches)
-        st = self.settings
         plan = plan_of(q, self.rid, role, cursor, st.batch_policy, st.lr_intervention, self.replicas)
         if view.multi and plan.opt < 0 and role == "train" and view.phase[0] >= 0:
             # A round nobody named an optimizer for is trained with the contributors' own first one;
@@ -184,7 +195,8 @@ class RoundClient:
         """Leader: record our commits, report, and wait for the round's decision."""
         assert self.coord is not None and self.writer is not None  # the leader's, from start()
         state = view.state
-        self.coord.record_committed(view.committed_round)  # the steady rounds end: the last one is recorded
+        if self.coord.outside is None:  # (benched: that was done when it left the steady rounds)
+            self.coord.record_committed(view.committed_round)  # the steady rounds end: the last one is recorded
         refused = self.writer.flush()  # the previous steps' records precede our report for this one
         if refused is not None:
             state = state.disown()
@@ -205,11 +217,15 @@ class RoundClient:
         disowned state claims no generation, so the quorum never counts it as the job's."""
         out: dict[str, Any] = state.report()
         out.update(blame=self.blame, stop=view.stop, bad_checkpoints=view.bad_checkpoints, opt=view.phase[0],
-                   cont=view.phase[1], micro=view.micro)
-        if view.compute is not None:
-            out.update(compute_ms=round(view.compute[0], 3), compute_round=view.compute[1])
+                   cont=view.phase[1], micro=view.micro, bench=-1, bench_s=0.0, probe_s=0.0)
+        if view.probe is not None:  # benched: our pace outside the rounds (the coordinator adds `bench`)
+            out.update(compute_ms=round(view.probe[0], 3), compute_round=-1, compute_n=0,
+                       probe_s=round(view.probe[1], 3), probing=view.probe[1] >= 0)
+        elif view.compute is not None:
+            out.update(compute_ms=round(view.compute[0], 3), compute_round=view.compute[1], compute_n=view.compute[2])
+            self._reported = view.compute[1]
         else:  # not measured since we (re)joined: say so, or the report would keep an old value
-            out.update(compute_ms=-1.0, compute_round=-1)
+            out.update(compute_ms=-1.0, compute_round=-1, compute_n=0)
         if digest is not None:
             out.update(digest=digest[1], digest_step=digest[0])
         return out
@@ -223,8 +239,13 @@ class RoundClient:
         if q is None:
             return None
         disagreed, verified = self.digests.after(q)
+        spec = coord.spec
+        rules = stragglers.Rules(spec.straggler_threshold, spec.straggler_policy, spec.min_replicas, spec.replicas,
+                                 spec.straggler_window)
+        slow = stragglers.self_check(view.compute, self.rid, q.pace_ms, q.suspects, self._reported, rules,
+                                     shrunk=any(e[0] == self.rid for e in q.shrink_next))
         lv = LocalView(committed=view.committed_round == q.round, changed=coord.changed, digest_due=disagreed,
-                       stop=view.stop, opt=view.phase[0], cont=view.phase[1], verified=verified)
+                       stop=view.stop, opt=view.phase[0], cont=view.phase[1], verified=verified, slow=slow)
         nxt = steady_next(q, lv)
         if nxt is None:
             if must_abort(q, lv):
@@ -284,6 +305,8 @@ class RoundClient:
         coord = self.coord
         assert coord is not None
         role = adopt_role(q, self.rid)
+        if role == Role.BENCH:
+            return None
         ring = q.epoch != self._peers_epoch
         fetch = role in ("catchup", "adopt")
         if not ring and not fetch:

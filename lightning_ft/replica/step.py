@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator, Optional
 
+from lightning_ft.constants import Role
 from lightning_ft.coord.membership import JobFinished
 from lightning_ft.replica import ledger, startup
 from lightning_ft.replica.core import (CALLER, Action, Applied, Checked, Do, Done, Ended, Event, Exchanged,
@@ -52,6 +53,9 @@ class Step:
         self.share: Optional[tuple[int, int]] = None
         """The caller's answer to COMPUTE when it can be shrunk: (micro-batches of its slot batch
         it computed, of how many), so the straggler measure counts a whole slot batch."""
+        replica.pace.can_probe = not spec.prepare and self.core.can_recompute  # benched: it measures its pace
+        self.round_s = 0.0
+        """Seconds this step waited for its rounds (not compute: the straggler measure leaves them out)."""
 
     @property
     def result(self) -> StepResult:
@@ -65,6 +69,7 @@ class Step:
         every = r.digests.checkpoint_every
         if every and r.step % every == 0:
             t_begin = None  # the checkpoint writer staged its state since: not compute
+        t_round = time.monotonic()
         try:
             act = core.start()
             while act.do is not Do.DONE:
@@ -78,7 +83,14 @@ class Step:
                     yield Ask(act.do, act.plan)
                     if act.do in (Do.COMPUTE, Do.RECOMPUTE):
                         r.t_ready = time.monotonic()
+                        if act.plan.role == Role.BENCH:  # a probe: our pace while benched (rule 14),
+                            # from the ask for its round (a stop anywhere in the loop counts) to its end
+                            r.pace.probe(t_round, r.t_ready, r.t_ready - t_round)
                     act = core.on(Checked(not self.veto) if act.do is Do.CHECK else Done())
+                elif act.do is Do.ROUND:
+                    t_round = time.monotonic()
+                    act = core.on(self._perform(act))
+                    self.round_s += time.monotonic() - t_round
                 else:
                     act = core.on(self._perform(act))
             if act.disarm:
@@ -269,15 +281,18 @@ class Step:
     # -- what the step did ------------------------------------------------------------------------
     def _measure(self, t_begin: Optional[float]) -> None:
         """A step trained cleanly (its first round, no retry, catch-up or recomputation) adds its
-        compute time, from the previous step's return to ready-to-exchange, to the straggler
-        measure (coord/stragglers.py); a catch-up or sync starts the measure afresh."""
+        compute time, from the previous step's return to ready-to-exchange, less its wait for the
+        round (a full round's etcd round trip is no compute; an overlapped round is waited for
+        after ready-to-exchange), to the straggler measure (coord/stragglers.py); a catch-up or
+        sync starts the measure afresh."""
         r, res = self.r, self.core.result
         if res.caught_up or res.synced:
-            r.compute_times.clear()
+            r.pace.forget()
         elif res.trained and self.core.clean and t_begin is not None and r.t_ready is not None:
             done, of = self.share if self.share is not None and self.share[0] > 0 else (1, 1)
-            r.compute_times.append((r.t_ready - t_begin) * of / done)  # per whole slot batch
-            r.compute_round = r.committed_round
+            waited = 0.0 if self.core.spec.computed else self.round_s
+            secs = max(0.0, r.t_ready - t_begin - waited) * of / done  # per whole slot batch
+            r.pace.step(t_begin, r.t_ready, secs, r.committed_round)
 
     def _outcome(self) -> None:
         """The step's result as the caller reads it: the committed count, the last round's role,

@@ -31,6 +31,7 @@ from lightning_ft.replica.core import (Action, Applied, Checked, Do, Done, Ended
 from lightning_ft.replica.group import ReplicaGroup
 from lightning_ft.replica.catchup.transfer import wire_version
 from lightning_ft.replica.guard import Digests
+from lightning_ft.replica.pace import Pace
 from lightning_ft.replica.plan import FAILED, LOST, OK, ReplicaStateLost, StepPlan, StepResult
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.rounds import Round, RoundClient, RoundView
@@ -89,6 +90,10 @@ class SimReplica:
         self.cursor_stale = False
         self.compute_times: list[float] = []
         self.compute_round = -1
+        self.pace = Pace(self.rid, self.job.spec.straggler_window)
+        """Benched (rule 14): the probe of its pace (replica/pace.py), in simulated time."""
+        self.pace.can_probe = True
+        self._t_round = 0.0
         self.grads: tuple = ()
         self.saved: Optional[tuple] = None
         self.result: Optional[tuple] = None
@@ -206,6 +211,7 @@ class SimReplica:
     def _perform(self, act: Action, core: StepCore) -> Generator[Any, Any, Event]:
         plan, do = act.plan, act.do
         if do is Do.ROUND:
+            self._t_round = self.world.now
             try:
                 return Planned((yield from self._next_round(own=not core.spec.prepare)))
             except JobFinished as e:
@@ -221,6 +227,8 @@ class SimReplica:
         if do in (Do.COMPUTE, Do.RECOMPUTE):
             yield self.cfg.step_s * self.job.slowness(self.rid)
             self._t_ready = self.world.now
+            if plan.role == "bench":  # a benched straggler's probe (rule 14)
+                self.pace.probe(self._t_round, self._t_ready, self._t_ready - self._t_round)
             self.grads = self._own(plan.batch_index, plan.skip)
             return Done()
         if do is Do.EXTRA:
@@ -260,10 +268,10 @@ class SimReplica:
         w = self.job.spec.straggler_window
         compute = None
         if len(self.compute_times) >= w:
-            compute = (statistics.fmean(self.compute_times) * 1e3, self.compute_round)
+            compute = (statistics.fmean(self.compute_times) * 1e3, self.compute_round, len(self.compute_times))
         return RoundView(self.state, self.committed_round, stop=False,
                          micro=self.cfg.micro if self.cfg.micro > 1 else 0, compute=compute,
-                         cursor_stale=self.cursor_stale)
+                         probe=self.pace.probed(), cursor_stale=self.cursor_stale)
 
     def _next_round(self, own: bool) -> Generator[Any, Any, StepPlan]:
         """replica.Replica.next_round, in simulated time."""
@@ -280,6 +288,7 @@ class SimReplica:
                 self.state = replace(self.state, cursor=rnd.cursor)
             if rnd.cursor_read:
                 self.cursor_stale = False
+        self.pace.planned(plan)
         if own and plan.contribute:
             plan = own_optimizer(plan, 0, self.rid)
         self.last_plan = plan

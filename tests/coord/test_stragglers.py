@@ -8,7 +8,7 @@ import pytest
 from lightning_ft.coord import stragglers
 from lightning_ft.coord.quorum import compute_quorum, steady_eligible
 from lightning_ft.coord.round_records import History, JobSpec, Quorum, Report
-from lightning_ft.coord.stragglers import EXCLUDE, PROBATION_ROUNDS, WAIT
+from lightning_ft.coord.stragglers import EXCLUDE, WAIT
 
 FP = {"job": "j"}
 
@@ -57,35 +57,20 @@ def M(**ms):
     return {int(k[1:]): (float(v), 100) for k, v in ms.items()}
 
 
+RULES = stragglers.Rules(1.3, EXCLUDE, 1, R, W)
+
+
 def D(round, measures, members, slow, policy, min_replicas, replicas, suspects=SEEN):
     """stragglers.decide with window W; its (stragglers, excluded, slow)."""
-    v = stragglers.decide(round, measures, members, slow, 1.3, policy, min_replicas, replicas, W, suspects)
-    return v.stragglers, v.excluded, v.slow
+    v = stragglers.decide(round, measures, members, stragglers.Rules(1.3, policy, min_replicas, replicas, W),
+                          stragglers.Standing(slow, (), suspects))
+    return v.stragglers, v.excluded, v.standing.slow
 
 
-def test_exclude_takes_the_slowest_for_a_probation_that_doubles():
+def test_exclude_benches_the_slowest():
     flagged, victim, slow = D(101, M(r0=10, r1=10, r2=40), (0, 1, 2), (), EXCLUDE, 1, R)
     assert stragglers.MIN_EXCESS_MS <= 30
-    assert sorted(flagged) == [2] and victim == (2, 101 + PROBATION_ROUNDS, 1) and slow == (victim,)
-    # back after its probation, measured slow again (a measure newer than its return): twice as long
-    back = 101 + PROBATION_ROUNDS
-    measures = {0: (10.0, back + 9), 1: (10.0, back + 9), 2: (40.0, back + 9)}
-    _, victim, slow = D(back + 10, measures, (0, 1, 2), slow, EXCLUDE, 1, R)
-    assert victim == (2, back + 10 + 2 * PROBATION_ROUNDS, 2) and slow == (victim,)
-
-
-def test_a_measure_from_before_the_probation_does_not_count_and_a_good_one_forgives():
-    slow_before = ((2, 165, 1),)
-    stale = {0: (10.0, 170), 1: (10.0, 170), 2: (40.0, 160)}  # r2 has not trained since it came back
-    flagged, victim, slow = D(170, stale, (0, 1, 2), slow_before, EXCLUDE, 1, R)
-    assert flagged == {} and victim is None and slow == slow_before  # kept: not yet measured again
-    fresh = {0: (10.0, 180), 1: (10.0, 180), 2: (11.0, 179)}
-    flagged, victim, slow = D(180, fresh, (0, 1, 2), slow_before, EXCLUDE, 1, R)
-    assert flagged == {} and victim is None and slow == slow_before  # good, but not yet for a probation's length
-    later = 165 + PROBATION_ROUNDS
-    fresh = {0: (10.0, later), 1: (10.0, later), 2: (11.0, later - 1)}
-    flagged, victim, slow = D(later, fresh, (0, 1, 2), slow_before, EXCLUDE, 1, R)
-    assert flagged == {} and victim is None and slow == ()  # forgiven
+    assert sorted(flagged) == [2] and victim == (2, 101, 1) and slow == (victim,)
 
 
 def test_wait_only_reports_and_min_replicas_keeps_the_straggler_in():
@@ -105,22 +90,34 @@ def test_a_minority_of_the_job_sits_out_at_most(replicas, cap):
     assert stragglers.max_excluded(replicas) == cap
 
 
-def test_no_second_exclusion_while_the_cap_is_reached_and_one_again_once_a_probation_ends():
-    """The soak under `exclude` on a loaded host: r2 sits out; r0 and r1, slowed in turn by
+def test_no_second_exclusion_while_the_cap_is_reached():
+    """The soak under `exclude` on a loaded host: r2 is benched; r0 and r1, slowed in turn by
     the same load, must not follow it (the job would train on one replica of three)."""
-    on_probation = ((2, 150, 1),)
-    flagged, victim, slow = D(120, M(r0=10, r1=40), (0, 1), on_probation, EXCLUDE, 1, 3)
-    assert sorted(flagged) == [1] and victim is None and slow == on_probation  # reported, kept in
+    probe = {2: stragglers.Probe(40.0, 1.0, 150, 1.0)}
+    v = stragglers.decide(160, M(r0=10, r1=40, r3=10), (0, 1, 3), stragglers.Rules(1.3, EXCLUDE, 1, 4, W),
+                          stragglers.Standing(((2, 150, 1),), (), SEEN), probe)
+    assert sorted(v.stragglers) == [1] and v.excluded is None and v.standing.slow == ((2, 150, 1),)
     # five replicas: two may sit out at once, not three
     one_out = ((4, 150, 1),)
-    flagged, victim, slow = D(120, M(r0=10, r1=10, r2=10, r3=40), (0, 1, 2, 3), one_out, EXCLUDE, 1, 5)
-    assert victim == (3, 120 + PROBATION_ROUNDS, 1) and slow == (victim, (4, 150, 1))
+    v = stragglers.decide(160, M(r0=10, r1=10, r2=10, r3=40), (0, 1, 2, 3), stragglers.Rules(1.3, EXCLUDE, 1, 5, W),
+                          stragglers.Standing(one_out, (), SEEN), {4: stragglers.Probe(40.0, 1.0, 150, 1.0)})
+    assert v.excluded == (3, 160, 1) and v.standing.slow == ((3, 160, 1), (4, 150, 1))
     two_out = ((3, 150, 1), (4, 150, 1))
-    flagged, victim, slow = D(120, M(r0=10, r1=10, r2=40), (0, 1, 2), two_out, EXCLUDE, 1, 5)
-    assert sorted(flagged) == [2] and victim is None and slow == two_out
-    # r2's probation is over (round 150): r1 may now be excluded; r2, back, is not yet forgiven
-    flagged, victim, slow = D(151, M(r0=10, r1=40, r2=10), (0, 1, 2), on_probation, EXCLUDE, 1, 3)
-    assert victim == (1, 151 + PROBATION_ROUNDS, 1) and slow == ((1, 151 + PROBATION_ROUNDS, 1), (2, 150, 1))
+    v = stragglers.decide(160, M(r0=10, r1=10, r2=40), (0, 1, 2), stragglers.Rules(1.3, EXCLUDE, 1, 5, W),
+                          stragglers.Standing(two_out, (), SEEN),
+                          {r: stragglers.Probe(30.0, 1.0, 150, 1.0) for r in (3, 4)})
+    assert sorted(v.stragglers) == [2] and v.excluded is None and v.standing.slow == two_out
+
+
+@pytest.mark.parametrize("compute,replicas,want", [
+    ({0: 10, 1: 10, 2: 40}, 3, [2]),
+    ({0: 10, 2: 40}, 3, []),              # two of three measured: no majority to compare with
+    ({0: 10, 1: -1, 2: 40}, 3, []),
+    ({0: 10, 2: 40}, 2, [2]),             # a job of two has no third
+    ({0: 10, 1: 10, 2: 40}, 8, [2]),      # three measured are enough in a larger job
+])
+def test_a_replica_is_flagged_only_against_a_majority_of_measured_others(compute, replicas, want):
+    assert sorted(stragglers.flag(compute, 1.3, stragglers.least_measured(replicas))) == want
 
 
 # -- rule 14 in compute_quorum ------------------------------------------------------------------
@@ -143,36 +140,63 @@ def decide(round, reports, previous, job):
     return compute_quorum(round, {r.rid: r for r in reports}, frozenset(), previous, job, 0.0, History(50))
 
 
-def test_exclude_policy_leaves_the_straggler_out_and_the_round_goes_on_without_waiting_for_it():
+def brep(rid, step, round, ms, since, probe_s=1.0, out_s=1.0, inc=0):
+    """A benched replica's report: its probe (compute_ms) over probe_s seconds, benched in `since`."""
+    return Report(rid=rid, incarnation=inc, step=step, round=round, fingerprint=FP, made=(since - 1, 0),
+                  compute_ms=ms, bench=since, probe_s=probe_s, bench_s=out_s)
+
+
+def test_exclude_policy_benches_the_straggler_and_readmits_it_once_its_pace_is_back():
     p = prev((0, 1, 2), 50, 9)
     # flagged once: a suspect, still a member, nothing reported
     d = decide(10, [rep(0, 50, 10, 10, 9), rep(1, 50, 10, 11, 9), rep(2, 50, 10, 35, 9)], p, JOB_X)
     assert d.quorum.members == (0, 1, 2) and d.quorum.suspects == ((2, 9, 9),) and d.stragglers == {}
-    assert d.excluded_straggler is None and "straggler" not in d.reason
+    assert d.excluded_straggler is None and "straggler" not in d.reason and d.quorum.pace_ms == 11
     # the suspects travel through the record (and a steady round copies the record)
     p = Quorum.from_json(d.quorum.to_json())
-    assert p.suspects == ((2, 9, 9),)
+    assert p.suspects == ((2, 9, 9),) and p.pace_ms == 11
     # flagged again by a window that overlaps the first: still a suspect
     p = Quorum(**{**p.__dict__, "round": 14, "max_step": 54})
     d = decide(15, [rep(0, 54, 15, 10, 14), rep(1, 54, 15, 11, 14), rep(2, 54, 15, 35, 14)], p, JOB_X)
     assert d.quorum.members == (0, 1, 2) and d.quorum.suspects == ((2, 9, 14),) and d.stragglers == {}
-    # ... and by one that does not (measured `window` rounds after the first): excluded
+    # ... and by one that does not (measured `window` rounds after the first): benched
     p = Quorum(**{**d.quorum.__dict__, "round": 19, "max_step": 59})
     d = decide(20, [rep(0, 59, 20, 10, 19), rep(1, 59, 20, 11, 19), rep(2, 59, 20, 35, 19)], p, JOB_X)
     q = d.quorum
-    until = 20 + PROBATION_ROUNDS
-    assert q.members == (0, 1) and q.contributors == (0, 1) and q.slow == ((2, until, 1),) and q.suspects == ()
-    assert d.excluded_straggler == (2, until, 1) and d.stragglers[2] == pytest.approx(35 / 10.5)
-    assert f"straggler r2 (3.33x the others' compute); r2 sits out until round {until}" in d.reason
-    # on probation: not waited for (no report this round) and not a member
-    d = decide(21, [rep(0, 60, 21, 10, 20), rep(1, 60, 21, 10, 20)], q, JOB_X)
+    assert q.members == (0, 1) and q.contributors == (0, 1) and q.slow == ((2, 20, 1),) and q.suspects == ()
+    assert d.excluded_straggler == (2, 20, 1) and d.stragglers[2] == pytest.approx(35 / 10.5)
+    assert "straggler r2 (3.33x the others' compute); r2 benched (exclusion 1)" in d.reason
+    assert Quorum.from_json(q.to_json()).slow == q.slow
+    # benched: not waited for (no report for this round), not a member, and no steady round ends it
+    d = decide(21, [rep(0, 60, 21, 10, 20), rep(1, 60, 21, 10, 20), rep(2, 59, 20, 35, 19)], q, JOB_X)
     assert d.quorum is not None and d.quorum.members == (0, 1) and d.quorum.slow == q.slow
-    # its probation ends: the round before is not steady, and it rejoins as lagging
-    late = Quorum(**{**d.quorum.__dict__, "round": until - 1, "max_step": 123})
-    assert not steady_eligible(late)
-    reps = [rep(0, 124, until, 10, until - 1), rep(1, 124, until, 10, until - 1), rep(2, 59, until, 35, 19)]
-    d = decide(until, reps, late, JOB_X)
-    assert d.quorum.members == (0, 1, 2) and d.quorum.lagging == (2,) and d.stragglers == {}
+    assert steady_eligible(d.quorum)
+    # a benched replica whose report is gone (it died) leaves the bench; its count goes on
+    gone = decide(21, [rep(0, 60, 21, 10, 20), rep(1, 60, 21, 10, 20)], q, JOB_X).quorum
+    assert gone.slow == () and gone.parole == ((2, 21, 1),) and gone.members == (0, 1)
+    # much later: its report (the round it reported for is long past) still counts; its probe is slow
+    late = Quorum(**{**d.quorum.__dict__, "round": 400, "max_step": 439})
+    reps = [rep(0, 440, 401, 10, 400), rep(1, 440, 401, 10, 400)]
+    d = decide(401, reps + [brep(2, 60, 21, 33, 20)], late, JOB_X)
+    assert d.quorum.members == (0, 1) and d.quorum.slow == ((2, 20, 1),) and d.readmitted == {}
+    assert "benched r2" in d.reason
+    # its pace is back: readmitted, as a member that lags (it catches up), on parole
+    d = decide(401, reps + [brep(2, 60, 21, 11, 20)], late, JOB_X)
+    assert d.quorum.members == (0, 1, 2) and d.quorum.lagging == (2,) and d.quorum.slow == ()
+    assert d.quorum.parole == ((2, 401, 1),) and d.readmitted == {2: (1, 1.1)}
+    assert "readmitted r2 (1.10x the pace)" in d.reason
+    assert Quorum.from_json(d.quorum.to_json()).parole == d.quorum.parole
+
+
+def test_a_benched_replica_is_set_aside_before_the_partition_rule():
+    """Rule 5 compares the members with the previous round's: a benched replica's report (which
+    counts for every round) must not make them look changed and reset the strikes."""
+    q = prev((0, 1), 60, 20, slow=((2, 20, 1),), strikes=1, pace_ms=10.0)
+    reps = {0: Report(rid=0, incarnation=0, step=60, round=21, fingerprint=FP, ring_ok=False, blame=(1,)),
+            1: Report(rid=1, incarnation=0, step=60, round=21, fingerprint=FP, ring_ok=False, blame=(0,)),
+            2: brep(2, 50, 3, 40, 20)}
+    d = compute_quorum(21, reps, frozenset(), q, JOB_X, 0.0, History(60))
+    assert d.quorum.strikes == 2 and d.quorum.members == (0, 1)
 
 
 def test_wait_policy_reports_the_straggler_and_keeps_it_training():
@@ -198,8 +222,21 @@ def test_off_by_default_and_old_records_decode():
 
 # -- confirmation: two windows that do not overlap ---------------------------------------------
 
-def V(round, measures, members=(0, 1, 2), suspects=(), slow=(), policy=EXCLUDE):
-    return stragglers.decide(round, measures, members, slow, 1.3, policy, 1, R, W, suspects)
+class V(tuple):
+    """stragglers.decide's verdict, with the standing's fields at hand."""
+
+    def __new__(cls, round, measures, members=(0, 1, 2), suspects=(), slow=(), policy=EXCLUDE, parole=(), probes=None):
+        v = stragglers.decide(round, measures, members, stragglers.Rules(1.3, policy, 1, R, W),
+                              stragglers.Standing(slow, parole, suspects), probes)
+        out = super().__new__(cls, v)
+        out.v = v
+        return out
+
+    stragglers = property(lambda self: self.v.stragglers)
+    excluded = property(lambda self: self.v.excluded)
+    slow = property(lambda self: self.v.standing.slow)
+    parole = property(lambda self: self.v.standing.parole)
+    suspects = property(lambda self: self.v.standing.suspects)
 
 
 def at(round, **ms):
@@ -214,7 +251,7 @@ def test_one_slow_window_makes_a_suspect_and_a_second_one_that_does_not_overlap_
         s = V(newer, at(newer, r0=10, r1=10, r2=40), suspects=s).suspects
         assert s == ((2, 100, newer),), newer
     v = V(100 + W, at(100 + W, r0=10, r1=10, r2=40), suspects=s)
-    assert list(v.stragglers) == [2] and v.excluded == (2, 100 + W + PROBATION_ROUNDS, 1)
+    assert list(v.stragglers) == [2] and v.excluded == (2, 100 + W, 1)
     assert v.suspects == ()  # excluded: measured afresh when it is back
 
 
@@ -244,7 +281,7 @@ def test_a_clean_window_among_slow_ones_does_not_clear_a_suspect():
     v = V(110, at(110, r0=10, r1=10, r2=11), suspects=v.suspects)  # clean, but 3 rounds after a flag
     assert v.excluded is None and v.suspects == ((2, 100, 107),)
     v = V(112, at(112, r0=10, r1=10, r2=40), suspects=v.suspects)  # slow, 12 rounds after the first
-    assert list(v.stragglers) == [2] and v.excluded == (2, 112 + PROBATION_ROUNDS, 1)
+    assert list(v.stragglers) == [2] and v.excluded == (2, 112, 1)
     # a healthy replica's load blip: flagged for a window's worth of sliding measures, then clean
     s = V(100, at(100, r0=10, r1=10, r2=40)).suspects
     for r in range(101, 110):
@@ -257,21 +294,22 @@ def test_a_clean_window_among_slow_ones_does_not_clear_a_suspect():
 
 def test_old_records_suspects_of_two_fields_still_decide():
     v = V(110, at(110, r0=10, r1=10, r2=40), suspects=((2, 100),))
-    assert v.excluded == (2, 110 + PROBATION_ROUNDS, 1)
+    assert v.excluded == (2, 110, 1)
     assert V(110, at(110, r0=10, r1=10, r2=11), suspects=((2, 100),)).suspects == ()
 
 
-def test_a_suspect_is_not_forgiven_its_probation():
-    """CI: the throttled replica, back from its first probation, had clean windows among its slow
-    ones; one of them forgave it (its next probation was 64 rounds again, not 128) while it was
-    a suspect, and it trained a third of the rounds it should have sat out."""
+def test_a_suspect_on_parole_is_not_forgiven_and_its_next_exclusion_counts_on():
+    """CI: the throttled replica, back from its first exclusion, had clean windows among its slow
+    ones; one of them forgave it (its count started again) while it was a suspect. A suspect on
+    parole is not forgiven; benched again, its exclusion is the second (a longer probe span)."""
     back = ((2, 100, 1),)
-    v = V(200, at(200, r0=10, r1=10, r2=40), slow=back)
-    assert v.suspects == ((2, 200, 200),)
-    v = V(205, at(205, r0=10, r1=10, r2=11), slow=back, suspects=v.suspects)
-    assert v.slow == back  # a suspect: not forgiven
-    v = V(210, at(210, r0=10, r1=10, r2=40), slow=back, suspects=v.suspects)
-    assert v.excluded == (2, 210 + 2 * PROBATION_ROUNDS, 2)
+    v = V(500, at(500, r0=10, r1=10, r2=40), parole=back)
+    assert v.suspects == ((2, 500, 500),)
+    v = V(505, at(505, r0=10, r1=10, r2=11), parole=back, suspects=v.suspects)
+    assert v.parole == back  # a suspect: not forgiven, FORGIVE_ROUNDS or not
+    v = V(510, at(510, r0=10, r1=10, r2=40), parole=back, suspects=v.suspects)
+    assert v.excluded == (2, 510, 2) and v.parole == () and v.slow == ((2, 510, 2),)
+    assert stragglers.probe_span(2) == 2 * stragglers.probe_span(1)
 
 
 def test_a_suspect_that_left_the_members_is_forgotten():
@@ -281,17 +319,22 @@ def test_a_suspect_that_left_the_members_is_forgotten():
 
 
 def test_the_ci_false_flag_a_load_blip_of_a_healthy_replica_while_the_straggler_is_back_unmeasured():
-    """CI (issue 27): r1 (throttled) came back from its probation, unmeasured for `window`
-    rounds; r0 and r2 were then compared one to one, and one window of load on r0 excluded it,
-    which kept r1 in (at most one replica of three sits out). Now r0 is only a suspect, and
-    its next window, within the threshold, clears it; r1, slow in two windows, sits out."""
+    """CI (issue 27, and again in the note of issue 42): r1 (throttled) came back from its
+    probation, unmeasured for `window` rounds; r0 and r2 were then compared one to one, and
+    load on r0 excluded it, again and again, which kept r1 in (at most one replica of three
+    sits out). Two measured replicas of three are no majority: nobody is flagged; r1, slow in
+    two windows once measured, is benched."""
     back = ((1, 164, 1),)
-    v = V(165, {0: (16.0, 165), 1: (-1.0, -1), 2: (11.0, 165)}, slow=back)
-    assert v.excluded is None and v.suspects == ((0, 165, 165),) and v.stragglers == {}
-    v = V(175, {0: (11.0, 175), 1: (40.0, 175), 2: (11.0, 175)}, slow=back, suspects=v.suspects)
+    v = V(165, {0: (16.0, 165), 1: (-1.0, -1), 2: (11.0, 165)}, parole=back)
+    assert v.excluded is None and v.suspects == () and v.stragglers == {}
+    v = V(175, {0: (16.0, 175), 1: (40.0, 175), 2: (11.0, 175)}, parole=back, suspects=v.suspects)
     assert v.excluded is None and v.suspects == ((1, 175, 175),)
-    v = V(185, {0: (11.0, 185), 1: (40.0, 185), 2: (11.0, 185)}, slow=back, suspects=v.suspects)
-    assert v.excluded == (1, 185 + 2 * PROBATION_ROUNDS, 2) and v.suspects == ()
+    v = V(185, {0: (16.0, 185), 1: (40.0, 185), 2: (11.0, 185)}, parole=back, suspects=v.suspects)
+    assert v.excluded == (1, 185, 2) and v.suspects == ()
+    # benched, its probe counts among the others': r0 (1.45x r2) is not flagged against r2 alone
+    v = V(195, {0: (16.0, 195), 2: (11.0, 195)}, members=(0, 2), slow=((1, 185, 2),),
+          probes={1: stragglers.Probe(40.0, 2.0, 185, 2.0)})
+    assert v.stragglers == {} and v.suspects == () and v.slow == ((1, 185, 2),)
 
 
 def test_wait_reports_a_straggler_only_once_confirmed():

@@ -99,3 +99,24 @@ def test_watch_threads_and_the_round_thread_share_it_without_losing_events():
     for t in threads:
         t.join()
     assert len(w.decisions_after(-1)) == 2000 >= seen
+
+
+def test_a_benched_stragglers_report_changes_the_next_round_only_once_it_is_ready():
+    """Rule 14: a benched replica reports its probe now and then; the members' steady rounds go
+    on until its pace over a whole span is within the threshold of the round's pace."""
+    w = Watched(ROOT, rid=0, threshold=1.3)
+    q = Quorum(round=40, epoch=1, members=(0, 1), incarnations=(0, 3), max_step=45, contributors=(0, 1),
+               lagging=(), slow=((2, 30, 1),), pace_ms=20.0)
+    w.follow(q)
+
+    def probe(ms: float, span: float, bench: int = 30) -> Event:
+        return put(keys.members(ROOT, 2), Report(2, 0, 35, 31, compute_ms=ms, probe_s=span, bench=bench,
+                                                 bench_s=9.0).to_json())
+
+    assert w.apply(probe(60.0, 1.0)) == (False, None)       # still 3x the pace
+    assert w.apply(probe(-1.0, 0.5)) == (False, None)       # not a whole span yet
+    assert w.apply(probe(22.0, 1.0, bench=7)) == (False, None)  # a probe of an earlier exclusion
+    assert w.apply(probe(22.0, 1.0)) == (True, None)        # fast again: a full round decides
+    assert w.apply(probe(-1.0, -1.0)) == (True, None)       # cannot probe: back after its span
+    # a stranger that is not benched is a joiner, as before
+    assert w.apply(put(keys.members(ROOT, 5), Report(5, 0, 0, 5).to_json())) == (True, None)

@@ -25,7 +25,7 @@ def plan(role: str = "train", batch: int = 5, step: int = 10, extra: tuple = (),
                     batches={0: batch, 1: batch}, extra=extra, micro=micro, skip=skip, opt=opt, cont=cont)
 
 
-TRAIN, CATCHUP, ADOPT = plan(), plan("catchup"), plan("adopt")
+TRAIN, CATCHUP, ADOPT, BENCH = plan(), plan("catchup"), plan("adopt"), plan("bench")
 COMMIT = [Exchanged(OK), Checked(True), Voted(OK), Applied(6), Done()]
 """A train round's exchange through its commit (after the gradients are in)."""
 COMMIT_ACTS = [D.CHECK, D.VOTE, D.APPLY, D.COMMITTED, D.DONE]
@@ -114,6 +114,20 @@ ROWS: list[tuple[str, StepSpec, list, list[Do], dict[str, Any]]] = [
     ("prepare: a restarted replica catches up, then keeps the first train round", StepSpec(prepare=True),
      [Probed(True), Planned(CATCHUP), *CATCH_UP, Probed(True), Planned(TRAIN)],
      [D.PROBE, D.ROUND, D.EXCHANGE, *CATCH_UP_ACTS, D.PROBE, D.ROUND, D.DONE], dict(caught_up=True, committed=1)),
+    ("benched (a straggler): each probe recomputes the batch and commits nothing; back, it catches up", STEP,
+     [Planned(BENCH), Done(), Planned(BENCH), Done(), Planned(CATCHUP), *CATCH_UP, Planned(TRAIN), Done(), *COMMIT],
+     [D.ROUND, D.RECOMPUTE, D.ROUND, D.RECOMPUTE, D.ROUND, D.EXCHANGE, *CATCH_UP_ACTS, D.ROUND, D.RECOMPUTE,
+      D.EXCHANGE, *COMMIT_ACTS], dict(trained=True, caught_up=True, committed=2, clean=False)),
+    ("benched, back in a train round of its own (nobody trained meanwhile): the probe's gradients stand", STEP,
+     [Planned(BENCH), Done(), Planned(TRAIN), *COMMIT],
+     [D.ROUND, D.RECOMPUTE, D.ROUND, D.EXCHANGE, *COMMIT_ACTS], dict(trained=True, committed=1, clean=False)),
+    ("benched, a caller that cannot compute again (manual optimization) only asks again",
+     StepSpec(batch=5, computed=True, recompute=False, planned=True),
+     [Planned(BENCH), Planned(BENCH), Planned(TRAIN), *COMMIT],
+     [D.ROUND, D.ROUND, D.ROUND, D.EXCHANGE, *COMMIT_ACTS], dict(trained=True, clean=False)),
+    ("prepare: a restarted replica benched has no batch to probe: it asks again", StepSpec(prepare=True),
+     [Probed(True), Planned(BENCH), Planned(BENCH), Planned(CATCHUP), *CATCH_UP, Probed(False)],
+     [D.PROBE, D.ROUND, D.ROUND, D.ROUND, D.EXCHANGE, *CATCH_UP_ACTS, D.PROBE, D.DONE], dict(caught_up=True)),
     ("prepare with several optimizers: rounds until one starts a batch with us",
      StepSpec(prepare=True, multi=True), [Planned(TRAIN)], [D.ROUND, D.DONE], dict()),
 ]

@@ -111,11 +111,18 @@ def test_a_joiner_with_another_secret_is_refused_and_the_job_goes_on():
     assert job.refused == ["ConfigMismatch"]
 
 
-def test_a_slow_replica_is_excluded_as_a_straggler_and_rejoins_identical():
-    """tests/replica/test_stragglers_runs.py::test_an_excluded_straggler_leaves_the_pace_to_the_healthy_..."""
+def test_a_slow_replica_is_benched_as_a_straggler_and_rejoins_identical():
+    """tests/replica/test_stragglers_runs.py::test_a_benched_straggler_stays_out_while_slow_and_is_back_..."""
     job = run(Fault(0.5, "slow", 1, seconds=12.0, factor=5.0))
     assert job.verdict.ok, job.verdict.violations  # type: ignore[attr-defined]
     assert decided(job, "straggler") and decided(job, "straggler")[0]["replica"] == 1
+    # a longer job: benched once, out while slow (its probe), back within 5 s of being fast again
+    job = run(Fault(0.5, "slow", 1, seconds=12.0, factor=5.0), cfg=replace(CFG, steps=400))
+    assert job.verdict.ok, job.verdict.violations  # type: ignore[attr-defined]
+    benched = [t for t, n, f in job.decisions if n == "straggler" and f.get("benched") and f["replica"] == 1]
+    back = [t for t, n, f in job.decisions if n == "readmitted" and f["replica"] == 1]
+    assert len(benched) == 1 and benched[0] < 12.5 and len(back) == 1, job.decisions
+    assert 12.5 < back[0] <= 12.5 + 5.0, (benched, back)
 
 
 def test_a_warm_spare_takes_over_faster_than_a_cold_start():
