@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 from dataclasses import replace
 from typing import Any, Callable, Generator, Optional, Sequence, TypeVar
 
-from . import keys, straggler_rule, stragglers
+from . import keys, round_log, straggler_rule, stragglers
 from .addresses import Addresses
 from .benched import IN, LEFT, Outside
 from .membership import (CoordinatorClosed, Evicted, JobHalted, Membership,
-                         MembershipSettings, QuorumTimeout)
+                         MembershipSettings, QuorumTimeout, Runtime)
 from .quorum import compute_quorum, waiting_for
 from .round_records import Decision, Halt, History, JobSpec, Quorum, Report, decode_round
 from .store import Store, StoreError
@@ -58,10 +56,6 @@ def wait_out(steps: Generator[float, None, _T], wake: Any) -> _T:
             timeout = steps.send(None)
     except StopIteration as done:
         return done.value
-
-KEEP_ROUNDS = 32
-"""Decided rounds kept in etcd; older `quorum/` keys are pruned by the round's writer."""
-
 
 class Coordinator:
     """The rounds as one leader takes part in them: full rounds decided through etcd, steady
@@ -85,11 +79,10 @@ class Coordinator:
     def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec,
                  settings: Optional[MembershipSettings] = None, *, run: str = "",
                  on_failure: Optional[Callable[[int, str], None]] = None,
-                 on_event: Optional[Callable[..., None]] = None,
-                 clock: Callable[[], float] = time.monotonic, event: Callable[[], Any] = threading.Event,
-                 keepalive: bool = True) -> None:
+                 on_event: Optional[Callable[..., None]] = None, runtime: Optional[Runtime] = None) -> None:
         self.membership = m = Membership(store, job, rid, incarnation, spec, settings, run=run,
-                                         on_failure=on_failure, clock=clock, event=event, keepalive=keepalive)
+                                         on_failure=on_failure, runtime=runtime)
+        clock = (runtime or Runtime()).clock
         self.store, self.rid, self.incarnation, self.spec, self.root = store, rid, incarnation, spec, m.root
         self.on_event = on_event
         self._clock = clock
@@ -354,9 +347,7 @@ class Coordinator:
 
     def latest_quorum(self) -> Optional[Quorum]:
         """The newest decided quorum in the store (any leader's), or None before the first."""
-        kvs, _ = self.store.get_prefix(keys.quorum(self.root))
-        quorums = [q for q in map(decode_round, (kv.value for kv in kvs)) if isinstance(q, Quorum)]
-        return quorums[-1] if quorums else None
+        return round_log.latest(self.store, self.root)
 
     # -- steady rounds ---------------------------------------------------------------------------
     def adopt_steady(self, q: Quorum) -> None:
@@ -403,10 +394,7 @@ class Coordinator:
         `RECORD_EVERY` rounds, or every `RECORD_EVERY_S`, is recorded for the supervisor and joiners),
         and at the end of a run of steady rounds (`record_committed`)."""
         try:
-            if self.store.create(self._round_key(q.round), q.to_json()):
-                old = q.round - KEEP_ROUNDS
-                if old >= 0:
-                    self.store.delete(self._round_key(old))
+            round_log.record(self.store, self.root, q)
         except StoreError as e:
             log.warning("replica %d: could not record steady round %d: %s", self.rid, q.round, e)
 
@@ -432,31 +420,9 @@ class Coordinator:
         for kv in evicts:
             _, rid, inc = kv.key[len(self.root):].split("/")
             evicted.add((int(rid), int(inc)))
-        previous = self._recorded_before(round, ours=self._current)
+        previous = round_log.recorded_before(self.store, self.root, round, ours=self._current)
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
-
-    def _recorded_before(self, round: int, ours: Optional[Quorum] = None) -> Optional[Quorum]:
-        """The previous round of `round`: the one recorded in etcd as round - 1; else `ours` when
-        it is round - 1 (a steady round nobody recorded); else the newest quorum recorded before
-        `round`. Not all steady rounds are recorded (replica/rounds.py, RECORD_EVERY), and the
-        ones after a recorded round have its members until the next full round (which is always
-        recorded): that round stands for them. A record beats our own view: a replica cut off
-        that trained on alone in steady rounds of its own, under numbers the others reached
-        without it, must not take its own as the job's (the simulator, seed 1095: it decided a
-        rewind alone and trained generation 1's first batches with other contents). None before
-        the job's first round."""
-        if round <= 0:
-            return None
-        kv = self.store.get(self._round_key(round - 1))
-        if kv is None and ours is not None and ours.round == round - 1:
-            return ours
-        if kv is None:
-            kvs, _ = self.store.get_prefix(keys.quorum(self.root))
-            older = [k for k in kvs if keys.round_of(k.key) < round]
-            kv = older[-1] if older else None
-        recorded = decode_round(kv.value) if kv is not None else None
-        return recorded if isinstance(recorded, Quorum) else None
 
     def _history(self, reports: dict[int, Report], previous: Optional[Quorum]) -> History:
         """The job's newest committed step, read only when nobody reports past the previous
@@ -477,14 +443,18 @@ class Coordinator:
             return History(top, cursors=cursors)
         h = previous.max_step + (1 if recorded(self.store, self.root, previous.gen, previous.max_step) else 0)
         kvs, _ = self.store.get_prefix(keys.ckpts(self.root))
-        ckpts = tuple((int(d["step"]), str(d["path"])) for d in (json.loads(kv.value) for kv in kvs))
+        recs = [json.loads(kv.value) for kv in kvs]
+        ckpts = tuple((int(d["step"]), str(d["path"])) for d in recs)
+        # Steady rounds are recorded sparsely, so `previous` can be far behind the job; a checkpoint
+        # of this generation is published only after the ledger recorded its step, so the job
+        # reached at least its step (every replica down at once after a checkpoint: its rewind).
+        h = max([h] + [int(d["step"]) for d in recs if d.get("gen") == previous.gen and int(d["step"]) > h
+                       and recorded(self.store, self.root, previous.gen, int(d["step"]))])
         return History(h, ckpts, cursors=cursors)
 
     def _decided(self, round: int, decision: Decision) -> None:
         """We wrote the round's decision: prune old rounds and announce what it did."""
-        old = round - KEEP_ROUNDS
-        if old >= 0:
-            self.store.delete(self._round_key(old))
+        round_log.prune(self.store, self.root, round)
         q = decision.quorum
         if decision.halt:
             self.store.put(keys.halt(self.root), json.dumps({"reason": decision.halt, "round": round}).encode())

@@ -49,6 +49,17 @@ class JobHalted(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """How a coordinator runs: on real time and threads, or on the simulator's clock and events
+    (sim/replica.py), where no thread renews the lease (its own keepalive process does)."""
+
+    clock: Callable[[], float] = time.monotonic
+    event: Callable[[], Any] = threading.Event
+    keepalive: bool = True
+    """Renew the lease from a thread of our own."""
+
+
+@dataclass(frozen=True)
 class MembershipSettings:
     """Where a job's keys live and a member's timing (the job config's `etcd.prefix`,
     `etcd.lease_ttl_s`, `etcd.hang_timeout_s` and `quorum.poll_interval_s`)."""
@@ -110,9 +121,9 @@ class Membership:
 
     def __init__(self, store: Store, job: str, rid: int, incarnation: int, spec: JobSpec,
                  settings: Optional[MembershipSettings] = None, *, run: str = "",
-                 on_failure: Optional[Callable[[int, str], None]] = None,
-                 clock: Callable[[], float] = time.monotonic, event: Callable[[], Any] = threading.Event,
-                 keepalive: bool = True) -> None:
+                 on_failure: Optional[Callable[[int, str], None]] = None, runtime: Optional[Runtime] = None) -> None:
+        rt = runtime or Runtime()
+        clock, event, keepalive = rt.clock, rt.event, rt.keepalive
         self.settings = settings or MembershipSettings()
         self.store, self.job, self.rid, self.incarnation, self.spec = store, job, rid, incarnation, spec
         self.on_failure = on_failure

@@ -39,7 +39,7 @@ from lightning_ft.sim.etcd import SimStore
 from lightning_ft.sim.faults import Fault, schedule, shrink
 from lightning_ft.sim.net import ModelState, Net
 from lightning_ft.sim.replica import JOB, SimReplica
-from lightning_ft.sim.world import Proc, World
+from lightning_ft.sim.world import Livelock, Proc, World
 
 
 @dataclass(frozen=True)
@@ -362,7 +362,10 @@ class SimJob:
             if f.kind != "late":
                 self.world.at(f.t, self._fault, f)
         deadline = self.last_fault_t + cfg.liveness_s + cfg.steps * cfg.step_s * 3
-        self.world.run(deadline, stop=self._over)
+        try:
+            self.world.run(deadline, stop=self._over)
+        except Livelock as e:
+            self.violations.append(f"liveness: {e}")
         self._check_end(deadline)
         return Verdict(self.seed, not self.violations, self.violations, self.world.trace, self.world.now,
                        max((m.step for m in self.finals.values()), default=0), self.world.events, self.restarts,

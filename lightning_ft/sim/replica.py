@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generator, Optional
 
 from lightning_ft.coord import keys
 from lightning_ft.coord.coordinator import Coordinator
-from lightning_ft.coord.membership import JobFinished, MembershipSettings
+from lightning_ft.coord.membership import JobFinished, MembershipSettings, Runtime
 from lightning_ft.coord.quorum import adopt_role
 from lightning_ft.coord.round_records import Quorum
 from lightning_ft.coord.store import StoreError
@@ -36,12 +36,16 @@ from lightning_ft.replica.plan import FAILED, LOST, OK, ReplicaStateLost, StepPl
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.rounds import Round, RoundClient, RoundView
 from lightning_ft.sim.net import Exchange, ModelState, SimFTAR
+from lightning_ft.sim.world import Livelock
 
 if TYPE_CHECKING:
     from lightning_ft.sim.job import SimJob
 
 JOB = "sim"
 
+
+SPIN_ROUNDS = 10_000
+"""Rounds one replica may ask for at one virtual instant before the run is a livelock."""
 
 class SimDigests(Digests):
     """The divergence guard's digests of the simulated model (its hash chain)."""
@@ -92,7 +96,8 @@ class SimReplica:
         self.compute_round = -1
         self.pace = Pace(self.rid, self.job.spec.straggler_window)
         """Benched (rule 14): the probe of its pace (replica/pace.py), in simulated time."""
-        self.pace.can_probe = True
+        self._spin = (0.0, 0)
+        """(virtual time, rounds asked at it)."""
         self._t_round = 0.0
         self.grads: tuple = ()
         self.saved: Optional[tuple] = None
@@ -151,8 +156,8 @@ class SimReplica:
                                 poll_interval_s=cfg.poll_s)
         spec = replace(self.job.spec, fingerprint=self.fingerprint)
         self.coord = coord = Coordinator(self.store, JOB, self.rid, self.inc, spec, ms,
-                                         on_failure=self._failure, on_event=self.job.decided, clock=world.clock,
-                                         event=world.event, keepalive=False)
+                                         on_failure=self._failure, on_event=self.job.decided,
+                                         runtime=Runtime(world.clock, world.event, keepalive=False))
         root = coord.root
         gen = ledger.latest_gen(self.store, root)
         self.state = replace(self.state, gen=gen, cursor=ledger.read_cursor(self.store, root, self.rid, gen))
@@ -190,6 +195,9 @@ class SimReplica:
     # -- the step ---------------------------------------------------------------------------------------
     def _drive(self, spec: StepSpec) -> Generator[Any, Any, StepResult]:
         core = StepCore(spec, self.state.cursor, self.state.synced)
+        # as replica/step.py: a step that cannot compute its batch (the first, preparing one) does
+        # not probe, and its rounds wait instead (else a benched replica asks again at once, forever)
+        self.pace.can_probe = not spec.prepare and core.can_recompute
         t_begin = self.world.now
         act = core.start()
         while act.do is not Do.DONE:
@@ -275,6 +283,10 @@ class SimReplica:
 
     def _next_round(self, own: bool) -> Generator[Any, Any, StepPlan]:
         """replica.Replica.next_round, in simulated time."""
+        now = self.world.now
+        self._spin = (now, self._spin[1] + 1) if self._spin[0] == now else (now, 0)
+        if self._spin[1] > SPIN_ROUNDS:  # asks that never let time pass: the real replica would spin
+            raise Livelock(f"t={now:.3f}: replica {self.rid} asked for {SPIN_ROUNDS} rounds without time passing")
         if self.stash is not None:
             plan, self.stash = self.stash, None
         else:

@@ -66,6 +66,21 @@ class Proc:
         """What ended it, when an exception did."""
 
 
+SPIN_EVENTS = 200_000
+"""Events at one virtual instant beyond which the run is a livelock (a real process would spin)."""
+
+
+class Livelock(BaseException):
+    """Some process kept running without letting virtual time pass. A BaseException, so that no
+    handler of the code under test takes it for one of its own failures: it ends the run, and the
+    job reports it as a liveness violation."""
+
+
+def _who(args: tuple) -> str:
+    proc = next((a for a in args if isinstance(a, Proc)), None)
+    return f" for {proc.name}" if proc is not None else ""
+
+
 class World:
     """The clock, the event queue and the processes of one simulation."""
 
@@ -166,11 +181,16 @@ class World:
     def run(self, until: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Run events until virtual time `until`, or until `stop()` says so."""
         q = self._q
+        same = 0  # events run at this virtual instant: a process that never lets time pass spins
         while q and not stop():
             t, _, fn, args = q[0]
             if t > until:
                 break
             heapq.heappop(q)
+            same = same + 1 if t == self.now else 0
+            if same > SPIN_EVENTS:
+                raise Livelock(f"t={t:.3f}: {SPIN_EVENTS} events without the clock moving (a busy loop: "
+                               f"the last one ran {getattr(fn, '__qualname__', fn)}{_who(args)})")
             self.now = t
             self.events += 1
             fn(*args)

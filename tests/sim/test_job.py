@@ -82,7 +82,7 @@ def test_the_checks_see_a_broken_promise():
     # others had recorded with other states (a member now checks the halt key in every full round).
     (189, (1, 2, 5, 6, 7, 8, 9), "isolation across a halt"),
     # A replica cut off from etcd decided a rewind alone: its own unrecorded steady view looked
-    # newer than the round recorded before it (coord/coordinator.py `_recorded_before`: a record
+    # newer than the round recorded before it (coord/round_log.py `recorded_before`: a record
     # of the round before beats our own view).
     (1095, (), "an isolated replica and a record of the round before"),
     # An intruder that started before the job's configuration existed (the model's own bug).
@@ -96,6 +96,19 @@ def test_the_checks_see_a_broken_promise():
 def test_regression_scenarios(seed, keep, what):
     v = run_seed(seed, CFG, faults(seed, *keep))
     assert v.ok, (what, v.violations)
+
+
+def test_a_replica_that_spins_is_a_liveness_violation_not_a_hang(monkeypatch):
+    """Seed 1036 benches a straggler that was restarted: while its first (preparing) step has no
+    batch to probe with, its rounds must wait (replica/step.py sets `can_probe` per step). With a
+    replica that claims it always probes, it asked again at once, forever, at one virtual
+    instant: the run reports that, instead of hanging the slice."""
+    from lightning_ft.replica import pace
+
+    assert run_seed(1036, CFG).ok
+    monkeypatch.setattr(pace.Pace, "can_probe", property(lambda self: True, lambda self, v: None), raising=False)
+    v = run_seed(1036, CFG)
+    assert not v.ok and any("liveness" in x and "without time passing" in x for x in v.violations), v.violations
 
 
 def test_the_old_cursor_of_a_failed_adoption_loses_batches_without_the_fix(monkeypatch):

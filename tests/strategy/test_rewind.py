@@ -40,12 +40,15 @@ def test_every_replica_down_at_once_rewinds_to_the_newest_checkpoint(tmp_path, e
 
 
 def test_without_checkpoints_a_total_loss_rewinds_to_step_0_and_says_so(tmp_path, etcd_endpoint):
-    run = lft_run(tmp_path, etcd_endpoint, "--steps", "30", replicas=2,
-                  overrides=(ALL_DIE_AT_25.replace("25", "8"), "checkpoint.every_n_steps=0"))
+    # Killed at step 40: past the first recorded steady round (one in RECORD_EVERY = 32), so the
+    # ledger holds commits that the total loss takes away. (Killed before any record, the job
+    # restarts from step 0 in the same generation: nothing recorded was lost, no rewind.)
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "50", replicas=2,
+                  overrides=(ALL_DIE_AT_25.replace("25", "40"), "checkpoint.every_n_steps=0"))
     assert run.proc.returncode == 0, ok(run)
     rw = [e for e in run.events if e["event"] == "rewind"]
     assert len(rw) == 1 and rw[0]["to"] == 0 and rw[0]["checkpoint"] == "", rw
-    assert run.ledger.ok and run.ledger.steps == 30 and {f["step"] for f in run.finals.values()} == {30}
+    assert run.ledger.ok and run.ledger.steps == 50 and {f["step"] for f in run.finals.values()} == {50}
 
 
 def test_crash_loop_is_not_restarted_and_names_the_cause(tmp_path, etcd_endpoint):
