@@ -401,14 +401,18 @@ def self_check(compute: Optional[tuple[float, int, int]], rid: int, pace_ms: flo
     full round's pace and not a suspect (to be flagged), slow and a suspect since before this
     window began (to be confirmed; not under "wait", nor while shrunk: the periodic full rounds
     follow it), or a suspect within the pace since before this window began (to be cleared).
-    At most once per window: its window begins after `reported`, the round of the newest step
-    of the measure it last reported."""
-    if compute is None or rules.threshold <= 0 or pace_ms <= 0:
+    A member's first measure, while the rounds carry no pace yet, asks for one full round too
+    (else the first pace waits for the periodic full round, MAX_STEADY_STEPS steps on). At most
+    once per window: its window begins after `reported`, the round of the newest step of the
+    measure it last reported."""
+    if compute is None or rules.threshold <= 0:
         return False
     ms, at, n = compute
     begins = at - max(1, n) + 1
     if begins <= reported:
         return False
+    if pace_ms <= 0:  # no full round has seen a measure yet (steady rounds carry the pace): ask for one
+        return True
     slow = not within(ms, pace_ms, rules.threshold)
     suspect = next((s for s in suspects if s[0] == rid), None)
     if suspect is None:

@@ -163,7 +163,9 @@ def test_split_cost(n, ratio, helpers, cost):
 def test_a_members_own_measure_asks_for_a_full_round(compute, suspects, reported, policy, shrunk, want):
     rules = Rules(1.3, policy, 1, 3, W)
     assert stragglers.self_check(compute, 1, 10.0, suspects, reported, rules, shrunk) is want
-    assert not stragglers.self_check(compute, 1, -1.0, suspects, reported, rules, shrunk)  # no pace known yet
+    # no pace known yet (no full round saw a measure): a fresh window asks for one full round
+    fresh = compute is not None and compute[1] - max(1, compute[2]) + 1 > reported
+    assert stragglers.self_check(compute, 1, -1.0, suspects, reported, rules, shrunk) is fresh
 
 
 # -- minutes of a job on a loaded machine, simulated --------------------------------------------
