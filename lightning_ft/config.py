@@ -1,4 +1,4 @@
-"""Configuration of a lightning-ft job: omegaconf structured configs and override parsing (README, "Configuration").
+"""Configuration of a lightning-ft job: omegaconf structured configs and override parsing (docs/GUIDE.md).
 
 Every knob is a field of a small dataclass with a docstring right below it; `configs/default.yaml`
 lists the same keys with their defaults. A config is built in three layers:

@@ -1,4 +1,4 @@
-"""The FT config of a Hydra app: an `ft:` node in the app's own config (README.md, "Hydra apps").
+"""The FT config of a Hydra app: an `ft:` node in the app's own config (docs/GUIDE.md, "Hydra apps").
 
 A Hydra app (`@hydra.main`) may carry lightning-ft's config as a node `ft:` of its config, with
 the schema of `configs/default.yaml`, validated by the same dataclasses (`FTConfig`). Precedence,

@@ -1,4 +1,4 @@
-"""Tests for lightning_ft/config.py: defaults, YAML, overrides and the error messages (README.md, "Configuration")."""
+"""Tests for lightning_ft/config.py: defaults, YAML, overrides and the error messages (docs/GUIDE.md)."""
 from __future__ import annotations
 
 import ast

@@ -66,7 +66,7 @@ def test_docs_and_examples_never_put_a_secret_on_a_command_line():
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = ["README.md", "docs/ARCHITECTURE.md", "examples/slurm/train.sbatch"]
+    paths = ["README.md", "docs/GUIDE.md", "docs/ARCHITECTURE.md", "examples/slurm/train.sbatch"]
     for path in paths:
         text = open(os.path.join(root, path)).read()
         blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) if path.endswith(".md") else [text]

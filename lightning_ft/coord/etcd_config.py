@@ -1,4 +1,4 @@
-"""Which etcd a job's process uses, and how: from the `etcd` config section (README.md, "etcd").
+"""Which etcd a job's process uses, and how: from the `etcd` config section (docs/GUIDE.md, "etcd").
 
 `store_from_config(cfg.etcd)` is how the launcher, the replica leaders and the tools build
 their `EtcdStore`: the section's endpoints (or the ones the launcher resolved, e.g. an

@@ -1,4 +1,4 @@
-"""What the etcd client does when a request fails: pure decisions, no I/O (README.md, "etcd").
+"""What the etcd client does when a request fails: pure decisions, no I/O (docs/GUIDE.md, "etcd").
 
 `EtcdStore` (etcd_store.py) talks to the members of one etcd cluster. This module decides, for
 it and for the config checks:

@@ -1,4 +1,4 @@
-"""Replacing a crashed member of an embedded etcd cluster (README.md, "etcd"): what
+"""Replacing a crashed member of an embedded etcd cluster (docs/GUIDE.md, "etcd"): what
 `EtcdCluster.heal_dead` does for a cluster of several members.
 
 A member killed under load and restarted on its own data can come back with a state machine

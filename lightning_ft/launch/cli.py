@@ -159,7 +159,7 @@ def _cmd_env(a: argparse.Namespace) -> int:
     print(format_variables(variables, a.format), flush=True)
     print(f"# then, on the host of replica {a.replica_id}: torchrun --nproc-per-node {cfg.nproc_per_replica} "
           f"--max-restarts 10 train.py   (or srun --ntasks {cfg.nproc_per_replica} python train.py); "
-          f"README: Multi-node", file=sys.stderr)
+          f"docs/GUIDE.md: Multi-node", file=sys.stderr)
     return 0
 
 
@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole-job restart: resume RUN_DIR from its newest checkpoint that verifies")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER,
-                   help="the script's arguments, and ft.key=value config overrides (README: Hydra apps)")
+                   help="the script's arguments, and ft.key=value config overrides (docs/GUIDE.md: Hydra apps)")
     r.set_defaults(fn=_cmd_run, run_parser=r)
     rep = sub.add_parser("report", help="timeline.png and summary.md of a run directory")
     rep.add_argument("run_dir")

@@ -88,7 +88,7 @@ def replica_env(env: Mapping[str, str]) -> ReplicaEnv:
         raise LaunchEnvError(
             f"this process does not know its replica: {', '.join(missing)} not set. Start it with `lightning-ft run "
             f"--replicas R --nproc-per-replica W script.py`, or under torchrun/srun with the variables "
-            f"`lightning-ft env --replica-id R ...` prints (README: Multi-node)")
+            f"`lightning-ft env --replica-id R ...` prints (docs/GUIDE.md: Multi-node)")
     rid, R = _int(env, "LFT_REPLICA_ID", -1 if standby else None), _int(env, "LFT_NUM_REPLICAS")
     if standby and rid != -1:
         raise LaunchEnvError(f"LFT_STANDBY={standby!r} is a spare, which takes its replica id when promoted; "

@@ -1,4 +1,4 @@
-"""The launcher's side of etcd (README.md, "etcd"; docs/ARCHITECTURE.md, "Launch and
+"""The launcher's side of etcd (docs/GUIDE.md, "etcd"; docs/ARCHITECTURE.md, "Launch and
 supervision"): what `lightning-ft run` does about it.
 
 - Without an endpoint it starts an embedded cluster of `etcd.members` members on loopback

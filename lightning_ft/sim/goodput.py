@@ -1,5 +1,5 @@
 """The goodput model: effective training time (ETT) of ft_hsdp and of restart-the-world
-for a job's size and failure rate, and a replica-count recommendation (README.md, "Planning a
+for a job's size and failure rate, and a replica-count recommendation (docs/GUIDE.md, "Planning a
 job: `lightning-ft plan`").
 Pure functions; `lightning-ft plan` (sim/plan.py) gathers the inputs and prints the result.
 

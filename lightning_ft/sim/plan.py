@@ -1,4 +1,4 @@
-"""`lightning-ft plan`: the goodput planner (README.md, "Planning a job: `lightning-ft plan`";
+"""`lightning-ft plan`: the goodput planner (docs/GUIDE.md, "Planning a job: `lightning-ft plan`";
 the model is sim/goodput.py).
 
     lightning-ft plan [--preset paper] [--from-run RUN_DIR] [--gpus N] [--replicas R]

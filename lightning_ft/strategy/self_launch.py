@@ -40,7 +40,7 @@ class SelfLaunchError(RuntimeError):
 
 
 HOW = ("or start the job with `lightning-ft run --replicas R --nproc-per-replica W train.py` "
-       "(README: Quick start)")
+       "(README.md; docs/GUIDE.md, \"Launching\")")
 
 
 def script_argv(argv: Sequence[str], main_module: Optional[str], cwd: str) -> list[str]:
@@ -127,7 +127,7 @@ def launcher_for(s: FTHSDPStrategy) -> Any:
     if s.num_nodes > 1:
         raise FTHSDPError(f"strategy='ft_hsdp' self-launch runs on one machine, but Trainer(num_nodes="
                           f"{s.num_nodes}): start one `lightning-ft run --etcd HOST:PORT --replica-ids ...` "
-                          f"per node, or torchrun/srun with `lightning-ft env` (README: Multi-node)")
+                          f"per node, or torchrun/srun with `lightning-ft env` (docs/GUIDE.md: Multi-node)")
     cwd = original_cwd()
     spec = getattr(__main__, "__spec__", None)
     try:

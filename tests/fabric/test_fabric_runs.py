@@ -14,7 +14,7 @@ STEPS = 120
 WAIT = ("stragglers.policy=wait",)
 """On this loaded 2-core host a replica is now and then measured 1.3x slower than the others and
 excluded (policy `exclude`); an excluded Fabric replica returns by a restart (its loop's counters
-are refilled through fabric.load, README "Fabric", limits), which near the end of these short runs
+are refilled through fabric.load, docs/GUIDE.md "Fabric", limits), which near the end of these short runs
 finds the job finished. These tests are about kills: the straggler policy only reports."""
 
 

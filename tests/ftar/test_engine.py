@@ -3,7 +3,7 @@ correctness, SIGKILL, SIGSTOP, abort, refusals and fatal mismatches. Multi-proce
 bound every wait and kill their processes by PID.
 
 The rdma cases need a verbs device (`ibv_devices` lists one) and pyverbs; run them with
-`LFT_RDMA_DEVICE=mlx5_0 .venv/bin/python -m pytest -q tests/ftar -k rdma` (see README)."""
+`LFT_RDMA_DEVICE=mlx5_0 .venv/bin/python -m pytest -q tests/ftar -k rdma` (see docs/GUIDE.md)."""
 from __future__ import annotations
 
 import os

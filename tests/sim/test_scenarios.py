@@ -139,7 +139,7 @@ def test_a_resumed_job_continues_from_its_newest_checkpoint():
 
 
 def test_an_etcd_outage_shorter_than_the_connect_timeout_is_ridden_out():
-    """README 'etcd': training pauses and resumes, no replica exits or is dropped"""
+    """docs/GUIDE.md 'etcd': training pauses and resumes, no replica exits or is dropped"""
     job = run(Fault(1.0, "outage", 0, seconds=5.0))
     assert job.verdict.ok and job.verdict.restarts == 0, job.verdict.violations  # type: ignore[attr-defined]
     assert not decided(job, "rewind")

@@ -1,4 +1,4 @@
-"""What every FTAR transport shares (README.md, "FTAR transports"): errors, chunk headers, the link interface.
+"""What every FTAR transport shares (docs/GUIDE.md, "FTAR transports"): errors, chunk headers, the link interface.
 
 A ring neighbour pair is joined by two *links*, one per direction, set up per epoch by
 the endpoint's handshake (endpoint.py). The engine writes chunk j of a ring step with

@@ -1,4 +1,5 @@
-"""RDMA links over pyverbs (README.md, "FTAR transports"): RC queue pairs, RDMA_WRITE_WITH_IMM into registered slots.
+"""RDMA links over pyverbs (docs/GUIDE.md, "FTAR transports"):
+RC queue pairs, RDMA_WRITE_WITH_IMM into registered slots.
 
 Everything but the verbs calls is shared with shm: the slot/credit state machines
 (slots.py), the waiting, deadlines, side channel and error paths (onesided.py), and the

@@ -1,4 +1,4 @@
-"""Shared-memory links for ranks on one host (README.md, "FTAR transports").
+"""Shared-memory links for ranks on one host (docs/GUIDE.md, "FTAR transports").
 
 The same one-sided protocol as rdma (onesided.py, slots.py), with memory instead of a NIC:
   registration  the receiver creates a memfd of C slots per epoch and link (fresh memory,

@@ -1,4 +1,4 @@
-"""Slots and credits of the one-sided ring protocol, as pure state machines (README.md, "FTAR transports").
+"""Slots and credits of the one-sided ring protocol, as pure state machines (docs/GUIDE.md, "FTAR transports").
 
 A one-sided link (shm, rdma) is one direction between two ring neighbours in one epoch.
 The receiver owns 2C *slots*, each a header area and S payload bytes, registered once per

@@ -1,4 +1,4 @@
-"""TCP links for FTAR (README.md, "FTAR transports"): a stream per direction, a header per chunk.
+"""TCP links for FTAR (docs/GUIDE.md, "FTAR transports"): a stream per direction, a header per chunk.
 
 We dial the right neighbour and send on that socket; the left neighbour dials us and we
 receive on its socket (the handshake is endpoint.py's). Each chunk is a fixed header followed
