@@ -207,11 +207,14 @@ class Coordinator:
             if raw is None and (first or now - last_get >= self._slow_poll_s):
                 kv = self.store.get(self._round_key(round))
                 raw, last_get = (kv.value if kv else None), now
-            newer = self._newer_decision(round) if raw is None and m.report.joining else None
+            newer = self._newer_decision(round) if raw is None else None
             if newer is not None:
-                # A joiner whose round the others passed without recording it (steady rounds are
-                # recorded in the background): take the first later decision that has us, else
-                # report for the next round after the fallback; never decide the stale round alone.
+                # A round the others passed without recording it (steady rounds are recorded in
+                # the background), we reporting for it as a joiner or as a member left behind (its
+                # commit failed): take the first later decision that has us, else report for the
+                # next round after the fallback; never decide the stale round alone (seed 2858: a
+                # member whose commit failed decided the unrecorded round 88 after round 89 was
+                # recorded, and two rewinds made generation 1).
                 n, nraw = newer
                 qn, taken = self._take(nraw)
                 if taken:
