@@ -49,7 +49,7 @@ from lightning_ft.replica.plan import StepPlan, StepStats
 from lightning_ft.replica.replica_state import ReplicaState
 from lightning_ft.replica.rounds import Round, RoundClient, RoundView
 from lightning_ft.replica.settings import Identity, Settings, job_spec
-from lightning_ft.replica.state import hyperparameters
+from lightning_ft.replica.state import combine, fast_digest, hyperparameters
 from lightning_ft.replica.step import Step
 from lightning_ft.threads import name_current
 
@@ -379,6 +379,12 @@ class Replica:
         named = {**self.transfer.tensors(), **hyperparameters(self.optimizer),  # the learning rate too
                  **(self.scaler.digest_tensors() if self.scaler is not None else {})}  # and the loss scale
         self.stats.digest_s = self.digests.take(self.step, named)
+
+    def final_digest(self) -> str:
+        """Every rank: the replica's digest of its whole state now (the end of the job compares them)."""
+        named = {**self.transfer.tensors(), **hyperparameters(self.optimizer),
+                 **(self.scaler.digest_tensors() if self.scaler is not None else {})}
+        return combine(self.group.gather(fast_digest(sorted(named.items()))))
 
     def load_checkpoint(self, path: str) -> dict:
         """Load a persistent checkpoint into this rank's model, optimizer and scheduler; returns

@@ -25,7 +25,8 @@ from lightning_ft.coord.round_records import Quorum
 from lightning_ft.coord.store import StoreError
 from lightning_ft.ftar.transport.base import RecoverableError
 from lightning_ft.replica import ledger
-from lightning_ft.replica.catchup.ending import _read as read_done, pending, read_finished
+from lightning_ft.replica.catchup.ending import (HEAL, SPLIT, WAIT, _read as read_done, done_records, end_verdict,
+                                               pending, read_finished)
 from lightning_ft.replica.core import (Action, Applied, Checked, Do, Done, Ended, Event, Exchanged, FinalAdopted,
                                        Planned, Probed, Restored, StepCore, StepSpec, Synced, Voted, own_optimizer)
 from lightning_ft.replica.group import ReplicaGroup
@@ -454,9 +455,44 @@ class SimReplica:
             if not pending(step, others, done, alive):
                 break
             yield 0.02
+        yield from self._agree_at_end(root, step)
         self.done = True
         self.job.finished(self)
         self.coord.close(revoke=True)
+
+    def _agree_at_end(self, root: str, step: int) -> Generator[Any, Any, None]:
+        """catchup/ending.py's `_agree` and `_heal`: compare final digests; a strict minority
+        takes a majority replica's final state."""
+        rec = {"step": step, "incarnation": self.inc, "gen": self.state.gen}
+        digest = str(self.model.digest)
+        yield from self._etcd()
+        self.store.put(keys.done(root, self.rid), json.dumps({**rec, "digest": digest}).encode())
+        t1, verdict, src, records = self.world.now, WAIT, None, {}
+        while self.world.now - t1 <= self.cfg.linger_s:
+            yield from self._etcd()
+            records = done_records(self.store, root)
+            verdict, src = end_verdict(self.rid, step, digest, records)
+            if verdict != WAIT:
+                break
+            _, alive = read_done(self.store, root)
+            if all(rid not in alive for rid, r in records.items() if rid != self.rid and r.get("digest") != digest):
+                break
+            yield 0.02
+        if verdict == SPLIT:  # no strict majority: reported (end_diverged), the replicas end as they are
+            self.job.split_at_end = True
+            self.job.note(self, "final states differ with no majority")
+        if verdict != HEAL or src is None:
+            return
+        other = records[src]
+        vote, got = yield from self.net.fetch((src, int(other["incarnation"])),
+                                              wire_version(int(other.get("gen", self.state.gen)), step),
+                                              self.cfg.linger_s)
+        if vote == OK:
+            assert got is not None
+            self.model = got
+            self.job.note(self, f"took r{src}'s final state at the end")
+            yield from self._etcd()
+            self.store.put(keys.done(root, self.rid), json.dumps({**rec, "digest": str(got.digest)}).encode())
 
     def _adopt_final(self) -> Generator[Any, Any, bool]:
         """catchup/ending.py's `adopt_final`: behind a finished job it trained in, fetch a done

@@ -46,6 +46,19 @@ def test_corrupted_replica_is_detected_healed_and_ends_identical(tmp_path, etcd_
     assert [r["step"] for r in rows if r["caught_up"] and r["role"] == "train"] == [18], rows
 
 
+def test_a_replica_corrupted_after_the_last_digest_is_healed_at_the_end(tmp_path, etcd_endpoint):
+    """Corrupted at step 27 of 30, after the last compared digest (25): the end compares the final
+    states (replica/catchup/ending.py, `end_verdict`) and the minority takes the majority's."""
+    run = lft_run(tmp_path, etcd_endpoint, "--steps", "30", "--step-sleep", "0.02", replicas=3,
+                  overrides=("consistency.every_n_steps=5", "failure.events=[{replica: 1, step: 27, kind: corrupt}]"))
+    assert run.proc.returncode == 0, ok(run)
+    div = [e for e in run.events if e["event"] == "diverged"]
+    assert len(div) == 1 and div[0]["replica"] == 1 and div[0].get("at") == "end" and div[0]["step"] == 30, div
+    assert len({tuple(f["digest"]) for f in run.finals.values()}) == 1, run.finals
+    assert run.ledger.ok and run.ledger.steps == 30, run.ledger
+    assert "differed from the majority's" in run.log(1)
+
+
 def test_a_healed_replica_stays_identical_under_a_schedule_that_changes_every_step(tmp_path, etcd_endpoint):
     # The 100-fault soak (issue: "halts on main"): a replica healed by a catch-up inside a step
     # then trained that step's batch with the learning rate of the step it caught up to (the

@@ -13,7 +13,12 @@ So a replica that trained to the end (`finish`, every rank):
 3. lingers while another member of its last quorum, or a replica sitting out a probation or
    quarantine of it, is not done at that step and still alive (`pending`), for at most
    `linger_s`. In the usual end every replica finishes within milliseconds of the others and
-   nobody waits.
+   nobody waits;
+4. compares its final state's digest with the other done replicas' (`end_verdict`): the steady
+   rounds compare digests only every `consistency.every_n_steps`, so a state corrupted after the
+   last of them would end the job unseen. A replica in a strict minority fetches the final state
+   of one of the majority (which lingers, serving, until it has: at most `linger_s`); with no
+   strict majority the replicas end as they are, and an `end_diverged` event names them.
 
 A replica behind the finished step that meets `finished` in its next round (`adopt_final`)
 fetches a done replica's final state instead of leaving: it ends at the final step with the
@@ -22,6 +27,7 @@ leaves at once (JobFinished), as does one that finds no done replica alive to fe
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -93,10 +99,67 @@ def _read(store: Any, root: str) -> tuple[dict[int, int], dict[int, int]]:
     return done, {rid: inc for rid, inc in alive.items() if (rid, inc) not in evicted}
 
 
+AGREE, WAIT, HEAL, SPLIT = "agree", "wait", "heal", "split"
+
+
+def end_verdict(me: int, step: int, mine: str, records: Mapping[int, dict]) -> tuple[str, Optional[int]]:
+    """Pure: what a replica done at `step` with final digest `mine` does, given the done records
+    ({rid: {"step", "digest"?}}; a record of another step, or without a digest, is not compared):
+    AGREE (every digest is ours), WAIT (a record at `step` has no digest yet, or we are in a strict
+    majority and another differs: it heals from us), HEAL with the lowest rid of a strict majority
+    holding another digest (fetch its state), or SPLIT (no strict majority)."""
+    at = {rid: r.get("digest") for rid, r in records.items() if rid != me and int(r.get("step", -1)) == step}
+    if any(not d for d in at.values()):
+        return WAIT, None
+    at[me] = mine
+    counts = collections.Counter(at.values())
+    top, n = counts.most_common(1)[0]
+    if len(counts) == 1:
+        return AGREE, None
+    if 2 * n <= len(at):
+        return SPLIT, None
+    return (WAIT, None) if top == mine else (HEAL, min(r for r, d in at.items() if d == top))
+
+
+def done_records(store: Any, root: str) -> dict[int, dict]:
+    """rid -> its `done/` record."""
+    return {int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value) for kv in store.get_prefix(keys.done(root))[0]
+            if kv.key.rsplit("/", 1)[1].isdigit()}
+
+
+def _agree(mgr: Replica, digest: str, record: dict, linger_s: float) -> Optional[tuple[int, list[str], int]]:
+    """Leader: publish our final digest and wait for the verdict; the source to heal from, or None."""
+    store, root = mgr.store, mgr.root
+    store.put(keys.done(root, mgr.rid), json.dumps({**record, "digest": digest}).encode())
+    t0 = time.monotonic()
+    verdict, src = WAIT, None
+    while time.monotonic() - t0 <= linger_s:
+        records = done_records(store, root)
+        verdict, src = end_verdict(mgr.rid, mgr.step, digest, records)
+        if verdict != WAIT:
+            break
+        _, alive = _read(store, root)
+        if all(rid not in alive for rid, r in records.items() if rid != mgr.rid and r.get("digest") != digest):
+            break  # whoever differs (or has not compared yet) is gone
+        time.sleep(0.02)
+    if verdict == SPLIT or verdict == WAIT and src is None and time.monotonic() - t0 > linger_s:
+        log.error("replica %d: the job ended at step %d with replica states that differ (digests %s); no strict "
+                  "majority, or a replica did not heal in time", mgr.rid, mgr.step,
+                  {r: d.get("digest") for r, d in done_records(store, root).items()})
+        mgr.event("end_diverged", replica=mgr.rid, step=mgr.step, verdict=verdict)
+    if verdict != HEAL or src is None:
+        return None
+    addrs = mgr.coord.addresses(src, int(records[src].get("incarnation", 0)))
+    if addrs is None or len(addrs[1]) != mgr.world:
+        return None
+    return src, list(addrs[1]), int(records[src].get("gen", mgr.state.gen))
+
+
 def finish(mgr: Replica, linger_s: float) -> None:
     """This replica trained to the end (every rank calls it): serve the final state, record
     `finished` and `done`, and linger while a member that is behind may still fetch it."""
     others = _others(mgr)
+    done_rec = {"step": mgr.step, "incarnation": mgr.incarnation, "gen": mgr.state.gen}
     if others and mgr.started:
         mgr.transfer.publish(mgr.step, mgr.batches, {f"{r}/{k}" for r, _ in others for k in range(mgr.world)},
                              mgr.state.gen)
@@ -108,8 +171,7 @@ def finish(mgr: Replica, linger_s: float) -> None:
             first = read_finished(store, root)  # a replica that finished first: its record stays
             if first is not None and int(first["step"]) < mgr.step:
                 store.put(keys.finished(root), record)
-        store.put(keys.done(root, mgr.rid), json.dumps({"step": mgr.step, "incarnation": mgr.incarnation,
-                                                        "gen": mgr.state.gen}).encode())
+        store.put(keys.done(root, mgr.rid), json.dumps(done_rec).encode())
         t0 = time.monotonic()
         late: list[int] = []
         while others:
@@ -124,7 +186,32 @@ def finish(mgr: Replica, linger_s: float) -> None:
                         "within %.0f s", mgr.rid, mgr.step, late, linger_s)
         if waited > 0.5 or late:
             mgr.event("finish", replica=mgr.rid, step=mgr.step, waited_s=round(waited, 3), late=late)
-    mgr.broadcast(None)  # every rank serves until the leader stops waiting
+    digest = mgr.final_digest() if mgr.started else ""  # every rank; the leader's is the replica's
+    heal = None
+    if mgr.is_leader and digest:
+        try:
+            heal = _agree(mgr, digest, done_rec, linger_s)
+        except Exception as e:  # etcd trouble at the very end: end as we are
+            log.warning("replica %d: could not compare the final state: %s", mgr.rid, e)
+    heal = mgr.broadcast(heal)  # every rank serves until the leader stops waiting
+    if heal is not None:
+        _heal(mgr, heal, done_rec, linger_s)
+
+
+def _heal(mgr: Replica, heal: tuple[int, list[str], int], record: dict, linger_s: float) -> None:
+    """Every rank: our final state is a minority's: take the majority's, and say so."""
+    src, addrs, gen = heal
+    t0 = time.perf_counter()
+    vote = mgr.group.vote(mgr.fetch_from(addrs[mgr.rank], mgr.step, src, deadline_s=linger_s, gen=gen))
+    if vote == LOST:
+        raise ReplicaStateLost(f"replica {mgr.rid}: fetching replica {src}'s final state failed midway")
+    digest = mgr.final_digest()
+    if vote != OK or not mgr.is_leader:
+        return
+    mgr.store.put(keys.done(mgr.root, mgr.rid), json.dumps({**record, "digest": digest}).encode())
+    log.warning("replica %d: its final state at step %d differed from the majority's; it took replica %d's "
+                "(%.3f s)", mgr.rid, mgr.step, src, time.perf_counter() - t0)
+    mgr.event("diverged", replica=mgr.rid, step=mgr.step, source=src, at="end")
 
 
 def _final_source(mgr: Replica) -> Optional[tuple[int, int, list[str], int]]:
