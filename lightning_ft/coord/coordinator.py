@@ -441,13 +441,16 @@ class Coordinator:
             from lightning_ft.replica.ledger import latest_gen
 
             return History(0, gen=latest_gen(self.store, self.root), cursors=cursors)
-        top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)
-        if top > previous.max_step:
-            return History(top, cursors=cursors)
-        h = previous.max_step + (1 if recorded(self.store, self.root, previous.gen, previous.max_step) else 0)
+        # The checkpoints are read in every full round: a reported step can be past the previous
+        # round's while no usable state holds it (a disowned replica's report), and the rewind that
+        # follows must see them (sim seed 7573 rewound to step 0 past the checkpoint of step 150).
         kvs, _ = self.store.get_prefix(keys.ckpts(self.root))
         recs = [json.loads(kv.value) for kv in kvs]
         ckpts = tuple((int(d["step"]), str(d["path"])) for d in recs)
+        top = max((r.step for r in reports.values() if r.gen == previous.gen), default=-1)
+        if top > previous.max_step:
+            return History(top, ckpts, cursors=cursors)
+        h = previous.max_step + (1 if recorded(self.store, self.root, previous.gen, previous.max_step) else 0)
         # Steady rounds are recorded sparsely, so `previous` can be far behind the job; a checkpoint
         # of this generation is published only after the ledger recorded its step, so the job
         # reached at least its step (every replica down at once after a checkpoint: its rewind).

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_ft.bench.localjob import Job
-from lightning_ft.replica.catchup.ending import pending
+from lightning_ft.replica.catchup.ending import end_verdict, pending
 from tests.replica.test_replica import SMALL, assert_exactly_once, assert_identical_every_step
 
 
@@ -71,3 +71,18 @@ def test_members_that_fail_to_commit_the_last_step_end_at_it_with_the_finishers_
             holders.add(e["replica"])
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("mine,records,want", [
+    ("a", {1: {"step": 30, "digest": "a"}, 2: {"step": 30, "digest": "a"}}, ("agree", None)),
+    ("a", {1: {"step": 30}, 2: {"step": 30, "digest": "a"}}, ("wait", None)),          # 1 has not compared yet
+    ("a", {1: {"step": 29}, 2: {"step": 30, "digest": "a"}}, ("agree", None)),         # another step: not compared
+    ("b", {1: {"step": 30, "digest": "a"}, 2: {"step": 30, "digest": "a"}}, ("heal", 1)),  # a minority: take 1's
+    ("a", {1: {"step": 30, "digest": "b"}, 2: {"step": 30, "digest": "a"}}, ("wait", None)),  # 1 heals from us
+    ("a", {1: {"step": 30, "digest": "b"}}, ("split", None)),                         # two, no majority
+    ("a", {1: {"step": 30, "digest": "b"}, 2: {"step": 30, "digest": "c"}}, ("split", None)),
+    ("a", {}, ("agree", None)),                                                       # alone
+])
+def test_end_verdict(mine, records, want):
+    """The end of the job compares final digests (docs/ARCHITECTURE.md, "The end of the job")."""
+    assert end_verdict(0, 30, mine, {0: {"step": 30, "digest": mine}, **records}) == want
