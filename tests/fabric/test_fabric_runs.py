@@ -27,7 +27,7 @@ def _check(s: dict, faulted, replicas: int, steps: int) -> None:
 
 
 def test_litgpt_shaped_fabric_loop_under_kills_ends_identical_exactly_once_in_band(tmp_path, etcd_endpoint):
-    args = ("--steps", str(STEPS), "--lr", "1e-2", "--save-every", "50")
+    args = ("--steps", str(STEPS), "--lr", "1e-2", "--save-every", "40")
     clean = lft_run(tmp_path, etcd_endpoint, "--out", str(tmp_path / "clean"), *args, replicas=3, script=APP,
                     timeout=150, overrides=WAIT)
     assert clean.proc.returncode == 0, ok(clean)

@@ -70,7 +70,7 @@ def test_every_replica_down_at_once_rewinds_and_restores_every_loader_state_from
         tmp_path, etcd_endpoint, litdata_dir):
     steps = 30
     run = lft_run(tmp_path, etcd_endpoint, "litdata", str(steps), "--data", litdata_dir, "--workers", "1",
-                  "--step-sleep", "0.02", replicas=2, script=APP,
+                  "--step-sleep", "0.05", replicas=2, script=APP,
                   overrides=(ALL_DIE_AT_16, "checkpoint.every_n_steps=10", "data.state_every_n_steps=4"))
     rewinds = [e for e in run.events if e["event"] == "rewind"]
     assert len(rewinds) == 1 and rewinds[0]["to"] == 10, (rewinds, ok(run))
