@@ -247,7 +247,8 @@ class RoundClient:
         # Under shrink and adaptive the split follows each window's measure, which only a full
         # round reads: their jobs keep a full round at every digest step (digests then compared in
         # etcd), every member alike; the other policies compare digests on the ring.
-        periodic = spec.straggler_policy in ("shrink", "adaptive") and self.digests.scheduled(q.max_step + 1)
+        periodic = (spec.straggler_policy in (stragglers.SHRINK, stragglers.ADAPTIVE)
+                    and self.digests.scheduled(q.max_step + 1))
         lv = LocalView(committed=view.committed_round == q.round, changed=coord.changed,
                        digest_due=disagreed or periodic,
                        stop=view.stop, opt=view.phase[0], cont=view.phase[1], verified=verified, slow=slow)
