@@ -452,10 +452,11 @@ class Coordinator:
             return History(top, ckpts, cursors=cursors)
         h = previous.max_step + (1 if recorded(self.store, self.root, previous.gen, previous.max_step) else 0)
         # Steady rounds are recorded sparsely, so `previous` can be far behind the job; a checkpoint
-        # of this generation is published only after the ledger recorded its step, so the job
-        # reached at least its step (every replica down at once after a checkpoint: its rewind).
+        # of step N (N steps trained) of this generation is published only after the ledger recorded
+        # the commit of step N - 1, so the job reached at least N (every replica down at once after
+        # a checkpoint: its rewind; the commit of step N itself may never have been recorded).
         h = max([h] + [int(d["step"]) for d in recs if d.get("gen") == previous.gen and int(d["step"]) > h
-                       and recorded(self.store, self.root, previous.gen, int(d["step"]))])
+                       and recorded(self.store, self.root, previous.gen, int(d["step"]) - 1)])
         return History(h, ckpts, cursors=cursors)
 
     def _decided(self, round: int, decision: Decision) -> None:

@@ -115,6 +115,8 @@ class SimJob:
         self.procs: dict[int, tuple[Proc, Proc]] = {}
         self.incarnations = {r: 0 for r in range(cfg.replicas)}
         self.checkpoints: dict[int, tuple[ModelState, dict[int, int]]] = {}
+        self.published: dict[int, int] = {}
+        """Checkpoint step -> the generation that published it."""
         self.violations: list[str] = []
         self.refused: list[str] = []
         """Why each intruder's process ended (ConfigMismatch: refused before it registered)."""
@@ -183,6 +185,14 @@ class SimJob:
         self.world.note(f"rewind to {to} (newest checkpoint {newest})")
         if to < newest:
             self.violations.append(f"t={self.world.now:.3f}: rewind to step {to}, past the newest checkpoint {newest}")
+        # The job trained at least to each checkpoint its generation published once the ledger
+        # accepted the commit before it: a rewind must not go back past it (every replica down
+        # at once between two full rounds: the rewind's history must see the checkpoint).
+        reached = max((s for s, g in self.published.items() if g == q.gen - 1 and s in self.checkpoints
+                       and (g, s - 1) in self.digests), default=-1)
+        if to < reached:
+            self.violations.append(f"t={self.world.now:.3f}: rewind to step {to}, past checkpoint {reached} that "
+                                   f"generation {q.gen - 1} published after recording its steps")
 
     def vetoes(self, r: SimReplica, plan: StepPlan) -> bool:
         if r.rid in self.veto:
@@ -199,6 +209,7 @@ class SimJob:
             if self.store.down_until > self.world.now:
                 return
             self.checkpoints[step] = (model, cursors)
+            self.published[step] = gen
             publish_checkpoint(self.store, self.root, step, f"sim/ckpt/{step}", gen)
         self.world.after(self.cfg.ckpt_s, done)
 
