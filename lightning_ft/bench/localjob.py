@@ -24,6 +24,24 @@ LOOP = os.path.join(ROOT, "examples", "plain_loop.py")
 TEST_SECRET = "localjob-test-secret-0123456789"
 
 
+def log_tails(log_dir: str, lines: int = 15) -> str:
+    """The last `lines` lines of every log of the job: why an intermittent wait timed out, after
+    the job's temporary directory is gone."""
+    out = []
+    try:
+        names = sorted(os.listdir(log_dir))
+    except OSError:
+        return ""
+    for name in names:
+        try:
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            continue
+        out.append(f"--- {name}\n" + "".join(tail))
+    return "\n".join(out)
+
+
 class Replica:
     def __init__(self, job: "Job", rid: int, inc: int, standby: str = "", spare_env: Optional[dict] = None,
                  zygote: Optional[Zygote] = None) -> None:
@@ -31,6 +49,7 @@ class Replica:
         `spare_env` (rid and inc are -1 until `Job.promote`); forked by `zygote` (launch/zygote.py)
         when one is given and ready, else started as new processes."""
         self.rid, self.inc, self.standby = rid, inc, standby
+        self.log_dir = job.log_dir
         self.procs: list[Proc] = []
         stdout: Optional[IO[str]] = None
         port = free_port()
@@ -77,7 +96,8 @@ class Replica:
         row = self.out.wait_for(pred, timeout_s)
         if row is None:
             raise AssertionError(f"replica {self.rid}.{self.inc} never matched; exit codes "
-                                 f"{[p.poll() for p in self.procs]}; last rows {self.rows[-3:]}")
+                                 f"{[p.poll() for p in self.procs]}; last rows {self.rows[-3:]}\n"
+                                 + log_tails(self.log_dir))
         return row
 
     def alive(self) -> bool:

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from lightning_ft.bench.localjob import Job
+from lightning_ft.bench.localjob import Job, log_tails
 from lightning_ft.coord.etcd_server import EtcdServer
 
 
@@ -167,6 +167,12 @@ def run(a: argparse.Namespace) -> dict:
             job.replicas[2].signal(signal.SIGSTOP)
             out = r0.wait_for(lambda x: x.get("event") == "step" and x["t"] > t_hang and 2 not in x["members"],
                               a.timeout)
+            # what healthy replica 0 did meanwhile (a stall past the TTL explains itself: CI saw 10 s once)
+            hang_rows = [{k: x.get(k) for k in ("t", "step", "dt", "members", *PARTS)}
+                         for x in r0.steps() if t_hang - 0.5 <= x["t"] <= out["t"]]
+            if _stall(r0.steps(), t_hang, out["t"], step_s) > a.ttl + 1.0:
+                print(f"hang stall past the TTL; replica 0's rows {hang_rows}\n{log_tails(job.log_dir)}",
+                      file=sys.stderr, flush=True)
             time.sleep(1.0)
             job.replicas[2].signal(signal.SIGCONT)
             lag2 = job.replicas[2].wait_for(lambda x: x.get("event") == "step" and x["lag"] and x["t"] > t_hang,
@@ -184,7 +190,7 @@ def run(a: argparse.Namespace) -> dict:
                 "step_s": round(step_s, 4),
                 "kill_stall_s": round(statistics.median(kills), 4), "kill_stall_all_s": kills,
                 "kill_stall_first_s": kills[0],
-                "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4),
+                "hang_stall_s": round(_stall(rows, t_hang, out["t"], step_s), 4), "hang_rows": hang_rows,
                 "rejoin_stall_s": round(statistics.median(rejoins), 4),
                 "rejoin_stall_all_s": rejoins, "rejoin_stall_of_step": round(statistics.median(rejoins) / step_s, 3),
                 "rejoin_step_s": round(rejoin_row["dt"], 4),

@@ -10,7 +10,8 @@ to find the round ready *creates* `quorum/{round}` with a create-if-absent trans
 Everyone, the writer included, then adopts the stored decision. etcd linearizes the create,
 so one round has exactly one quorum: two leaders that raced with different views still
 train with the same members (no split brain). A leader left out of a round it reported
-for (a late joiner) moves to the next round; the healthy replicas never wait for it.
+for (a late joiner) moves to the next round; the healthy replicas never wait for it. Nobody
+decides a round a member reports past (`round_log.passed`): it reports for that round.
 
 Messages. A report (`members/{rid}`) and a quorum carry O(1) bytes per member: the per-rank
 listener addresses are published once per lease under `addrs/` (coord/addresses.py) and read
@@ -209,12 +210,9 @@ class Coordinator:
                 raw, last_get = (kv.value if kv else None), now
             newer = self._newer_decision(round) if raw is None else None
             if newer is not None:
-                # A round the others passed without recording it (steady rounds are recorded in
-                # the background), we reporting for it as a joiner or as a member left behind (its
-                # commit failed): take the first later decision that has us, else report for the
-                # next round after the fallback; never decide the stale round alone (seed 2858: a
-                # member whose commit failed decided the unrecorded round 88 after round 89 was
-                # recorded, and two rewinds made generation 1).
+                # A round the others passed without recording it (we join, or our commit failed):
+                # take the first later decision that has us, else report for the next round after
+                # the fallback; never decide the stale round alone (seed 2858: two generations 1).
                 n, nraw = newer
                 qn, taken = self._take(nraw)
                 if taken:
@@ -232,6 +230,10 @@ class Coordinator:
                 last_eval = now
                 decision = self._evaluate(round, now - started)
                 self._log_reason(decision.reason)
+                if decision.passed > round:  # never decide a round the others passed: report for theirs
+                    self._publish(step, decision.passed)
+                    started = self._clock()
+                    continue
                 if decision.quorum is not None or decision.halt:
                     raw = decision.quorum.to_json() if decision.quorum is not None else \
                         Halt(decision.halt, round).to_json()
@@ -423,6 +425,9 @@ class Coordinator:
         for kv in evicts:
             _, rid, inc = kv.key[len(self.root):].split("/")
             evicted.add((int(rid), int(inc)))
+        ahead = round_log.passed(round, reports, frozenset(evicted), self.rid)
+        if ahead > round:
+            return Decision(None, f"round {round}: passed (a member reports for round {ahead})", passed=ahead)
         previous = round_log.recorded_before(self.store, self.root, round, ours=self._current)
         return compute_quorum(round, reports, frozenset(evicted), previous, self.spec, waited_s,
                               self._history(reports, previous))
@@ -451,10 +456,8 @@ class Coordinator:
         if top > previous.max_step:
             return History(top, ckpts, cursors=cursors)
         h = previous.max_step + (1 if recorded(self.store, self.root, previous.gen, previous.max_step) else 0)
-        # Steady rounds are recorded sparsely, so `previous` can be far behind the job; a checkpoint
-        # of step N (N steps trained) of this generation is published only after the ledger recorded
-        # the commit of step N - 1, so the job reached at least N (every replica down at once after
-        # a checkpoint: its rewind; the commit of step N itself may never have been recorded).
+        # `previous` can be far behind (steady rounds are recorded sparsely): a checkpoint of step
+        # N of this generation is published once the commit of step N - 1 is recorded (not N's).
         h = max([h] + [int(d["step"]) for d in recs if d.get("gen") == previous.gen and int(d["step"]) > h
                        and recorded(self.store, self.root, previous.gen, int(d["step"]) - 1)])
         return History(h, ckpts, cursors=cursors)

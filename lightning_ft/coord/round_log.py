@@ -3,10 +3,10 @@ pruning old ones, and reading the round before a given one (docs/ARCHITECTURE.md
 rounds"). Pure reads and writes on a Store; the Coordinator decides when."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 from . import keys
-from .round_records import Quorum, decode_round
+from .round_records import Quorum, Report, decode_round
 from .store import Store
 
 KEEP_ROUNDS = 32
@@ -56,3 +56,14 @@ def recorded_before(store: Store, root: str, round: int, ours: Optional[Quorum] 
         kv = older[-1] if older else None
     recorded = decode_round(kv.value) if kv is not None else None
     return recorded if isinstance(recorded, Quorum) else None
+
+
+def passed(round: int, reports: Mapping[int, Report], evicted: frozenset, rid: int) -> int:
+    """The latest round past `round` that another live member reports for, else -1. Steady rounds
+    are recorded sparsely, so a joiner (or a member left behind) can report for a round the
+    others passed long ago: deciding it from their later reports made two histories of rounds
+    with the same members (a joiner decided round 1120 while the others decided round 1137 with
+    the same reports, then each side followed its own rounds and waited for the other forever).
+    Joiners and benched stragglers report for every round: theirs prove nothing."""
+    return max((rep.round for r, rep in reports.items() if r != rid and rep.round > round and not rep.joining
+                and rep.bench < 0 and (r, rep.incarnation) not in evicted), default=-1)

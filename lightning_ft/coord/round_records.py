@@ -269,6 +269,9 @@ class Decision:
     """Replica id -> why its report was refused (config mismatch)."""
     halt: str = ""
     """Non-empty: the job must stop (states diverged with no majority); the reason."""
+    passed: int = -1
+    """A later round a member reports for (round_log.passed): this round was passed without
+    being recorded, and nobody decides it; the decider reports for that round instead."""
     diverged: Mapping[int, tuple[str, str]] = field(default_factory=dict)
     """Replica id -> (its digest, the majority's digest), for the `diverged` event."""
     stale: Mapping[int, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)

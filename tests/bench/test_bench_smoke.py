@@ -10,7 +10,9 @@ import pytest
 
 def run_bench(*args: str, timeout: float = 300) -> list[dict]:
     out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-12000:]
+    if "past the TTL" in out.stderr:  # the recovery bench explains a long hang stall there
+        print(out.stderr[-12000:], file=sys.stderr)
     return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
 
 
@@ -58,7 +60,7 @@ def test_recovery_bench_quick_meets_its_stall_bounds():
     # a warm spare heals faster than a cold restart, which starts Python and torch first
     assert len(r["heal_standby_all_s"]) == 1 and r["heal_standby_s"] < r["heal_cold_s"], r
     assert r["kill_stall_s"] < 1.0
-    assert r["hang_stall_s"] <= r["ttl_s"] + 1.0
+    assert r["hang_stall_s"] <= r["ttl_s"] + 1.0, (r["hang_stall_s"], r["hang_rows"])
     assert r["catchup_gbps"] > 0
     # the rejoin stall is the median over every rejoin: the cold restart's, the spare's, the forked ones'
     import statistics

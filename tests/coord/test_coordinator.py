@@ -538,6 +538,43 @@ def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded
         a.close(), b.close(), j.close(), s.close()
 
 
+def test_a_joiner_whose_fallback_comes_first_reports_for_the_round_the_others_report_for():
+    """As above, but the members' own decision is slow to come (they are busy in a step): the
+    joiner's fallback comes first. It must not decide its stale round from the members' reports
+    for a later round (the recovery bench once froze for minutes: the joiner decided round 1120,
+    the others round 1137, with the same members, and each side then followed its own rounds);
+    it reports for theirs (round_log.passed) and that round takes it in."""
+    from dataclasses import replace
+
+    from lightning_ft.coord.quorum import LocalView, steady_next
+
+    s = MemoryStore()
+    spec = JobSpec(3, 1, 5.0, {"job": "j"})
+    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=0.5))
+    b = Coordinator(s, "j", 2, 0, spec, MembershipSettings(lease_ttl_s=0.5))
+    j = Coordinator(s, "j", 1, 4, spec, MembershipSettings(lease_ttl_s=0.5))
+    try:
+        for c in (a, b):
+            c.register(0, synced=True)
+        for step in range(3):
+            qa, qb = _both(a, b, step, step)
+        stale = qa.round + 1
+        for _ in range(50):
+            for c in (a, b):
+                c.adopt_steady(steady_next(c.current, LocalView(committed=True, changed=False, digest_due=False)))
+        j.register(0, synced=False)
+        assert j.membership.report.round == stale
+        step, later = qa.max_step + 51, stale + 50
+        for c in (a, b):  # they report for their next round, and do not decide it yet
+            c.membership.publish(replace(c.membership.report, step=step, round=later))
+        qj = j.quorum(0, timeout_s=8)
+        assert s.get(keys.quorum(keys.root("/lft", "j"), stale)) is None  # the passed round stays undecided
+        assert qj.round == later and qj.members == (0, 1, 2) and qj.lagging == (1,), qj
+        assert j.membership.report.round == later
+    finally:
+        a.close(), b.close(), j.close(), s.close()
+
+
 @pytest.mark.parametrize("name", ["lease_ttl_s", "hang_timeout_s", "poll_interval_s"])
 def test_membership_settings_refuse_a_timing_that_is_not_positive(name):
     with pytest.raises(ValueError, match=f"membership setting {name}=0 must be > 0"):
