@@ -396,15 +396,14 @@ def load(d: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pg: A
             "extra": torch.load(os.path.join(d, "extra.pt"), weights_only=True)}
 
 
-def restart_job(store: Any, root: str, ckpt: Optional[str], meta: Optional[dict] = None) -> dict:
+def restart_job(store: Any, root: str, ckpt: Optional[str]) -> dict:
     """A whole-job restart (`--resume`, or the restart-the-world baseline) in the job's keyspace.
 
     Everything about the running job goes (members, evictions, quorums, `finished`, `halt`,
     the config fingerprint); the ledger, its generations and the published checkpoints stay.
     A new history generation starts at the checkpoint's step with its slot cursors (step 0
     and zero cursors without a checkpoint), so commits after it are superseded and the final
-    history stays exactly once across the restart. `meta`: the checkpoint's meta.json when the
-    caller has it (the simulator's checkpoints have no files). Returns the generation's record."""
+    history stays exactly once across the restart. Returns the generation's record."""
     from lightning_ft.coord import keys
     from lightning_ft.replica.ledger import latest_gen, read_rewinds, seed_generation
 
@@ -415,9 +414,9 @@ def restart_job(store: Any, root: str, ckpt: Optional[str], meta: Optional[dict]
         store.delete(key)
     old, _ = store.get_prefix(keys.commits(root))
     rewinds = read_rewinds(store, root)
-    if meta is None and ckpt is not None:
+    if ckpt is not None:
         meta = json.load(open(os.path.join(ckpt, "meta.json")))
-    elif meta is None:
+    else:
         meta = {"step": 0, "cursors": {}}
     if not old and not rewinds:  # a fresh keyspace (e.g. a new etcd): generation 0 starts here
         gen, came_from = 0, None

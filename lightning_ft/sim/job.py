@@ -33,7 +33,6 @@ from lightning_ft.coord.membership import JobFinished, JobHalted
 from lightning_ft.coord.round_records import JobSpec, Quorum
 from lightning_ft.replica import ledger
 from lightning_ft.replica.checkpoint import publish as publish_checkpoint
-from lightning_ft.replica.checkpoint import restart_job
 from lightning_ft.replica.plan import StepPlan
 from lightning_ft.replica.settings import Settings
 from lightning_ft.sim.etcd import SimStore
@@ -313,16 +312,9 @@ class SimJob:
             if launch != self.launches:
                 return
             self.resuming = False
-            if self.store.down_until > self.world.now:  # `lightning-ft run --resume` needs etcd
-                self.world.at(self.store.down_until, again)
-                return
             newest = max(self.checkpoints, default=-1)
             model = self.checkpoints[newest][0] if newest >= 0 else ModelState()
             self.world.note(f"resume from checkpoint {newest}")
-            # what `lightning-ft run --resume` does first (launch/restarts.py): a new generation at
-            # the checkpoint's step with its cursors, the running job's keys gone
-            restart_job(self.store, self.root, f"sim/ckpt/{newest}" if newest >= 0 else None,
-                        meta={"step": newest, "cursors": self.checkpoints[newest][1]} if newest >= 0 else None)
             for rid in range(self.cfg.replicas):
                 self.incarnations[rid] += 1
                 self.start(rid, model, delay=self.world.rng.uniform(0, 0.3))
