@@ -267,6 +267,8 @@ def compute_quorum(
             kind = SYNC
             contributors = (_newest(valid, usable, top),)
             notes.append(f"sync: every replica adopts r{contributors[0]}'s state")
+            if previous is not None and previous.rewind and previous.gen == gen and previous.rewind["to"] == top:
+                rewind = dict(previous.rewind)  # its source failed before seeding the generation (seed 5255)
 
     # Rule 15: optimizer steps of one batch.
     opt, cont = 0, False

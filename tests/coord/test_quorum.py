@@ -323,6 +323,23 @@ def test_total_loss_without_checkpoint_rewinds_to_step_0_from_a_fresh_replica():
     assert "rewind from step 31 to 0 (step 0 (no checkpoint; initial state of r0))" in d.reason
 
 
+@pytest.mark.parametrize("repeat", [True, False])
+def test_a_rewind_whose_source_failed_is_repeated_by_the_next_source(repeat):
+    """The rewind to step 0 of round 31 chose r0, which hung before it wrote generation 1's record
+    (`rewinds/1`, with the cursors). The next round syncs the others' fresh step-0 states into
+    generation 1: it carries the rewind, so its source writes the record (sim seed 5255: without
+    it generation 1 was trained with no record, and a later resume made a second generation 1)."""
+    first = decide(31, [srep(1, 0, round=31, inc=1, synced=False), srep(0, 0, round=31, inc=1, synced=False)],
+                   evicted={(0, 0), (1, 0)}, previous=quorum_of((0, 1), 30, round=30),
+                   history=History(committed_step=31), job=JobSpec(2, 1, 10.0, FP)).quorum
+    assert first.rewind is not None and first.source == 0 and first.gen == 1
+    prev = first if repeat else dataclasses.replace(first, rewind=None)
+    q = decide(32, [srep(1, 0, round=32, inc=1, synced=False)], evicted={(0, 1)}, previous=prev,
+               history=History(committed_step=0), job=JobSpec(2, 1, 10.0, FP), waited_s=99).quorum
+    assert q.kind == SYNC and q.gen == 1 and q.max_step == 0 and q.source == 1
+    assert q.rewind == (first.rewind if repeat else None)
+
+
 def test_a_surviving_state_newer_than_the_checkpoint_wins_the_rewind():
     # r2 was stopped at step 55 while the others trained to 60 and died; checkpoint at 40.
     prev = quorum_of((0, 1), 60, round=80)
