@@ -3,6 +3,7 @@ races and an etcd restart. Every wait is bounded; every process is killed by PID
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import signal
 import threading
@@ -498,29 +499,38 @@ def test_a_new_decider_takes_over_the_reports_when_the_old_one_dies():
     s.close()
 
 
+@contextlib.contextmanager
+def _joiner_after_unrecorded_steady_rounds(ttl):
+    """Members r0 and r2 decide three full rounds, then run 50 steady rounds nobody records;
+    r1 (incarnation 4) registers as a joiner. Yields (store, a, b, j, the last full quorum, the
+    stale round the joiner reports for)."""
+    from lightning_ft.coord.quorum import LocalView, steady_next
+
+    s = MemoryStore()
+    spec = JobSpec(3, 1, 5.0, {"job": "j"})
+    a, b, j = (Coordinator(s, "j", rid, inc, spec, MembershipSettings(lease_ttl_s=ttl))
+               for rid, inc in ((0, 0), (2, 0), (1, 4)))
+    try:
+        for c in (a, b):
+            c.register(0, synced=True)
+        for step in range(3):
+            qa, _ = _both(a, b, step, step)
+        for _ in range(50):  # steady rounds, adopted by both, recorded by nobody
+            for c in (a, b):
+                c.adopt_steady(steady_next(c.current, LocalView(committed=True, changed=False, digest_due=False)))
+        j.register(0, synced=False)
+        assert j.membership.report.round == qa.round + 1 and j.membership.report.joining
+        yield s, a, b, j, qa, qa.round + 1
+    finally:
+        a.close(), b.close(), j.close(), s.close()
+
+
 def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded():
     """The survivors ran rounds without etcd (steady) that were never recorded, so the joiner
     reports for a round they passed long ago. Its report still counts (rule 1: joining); the
     next full round takes it in, and it adopts that round instead of deciding its stale round
     alone after the fallback (a quorum the others never join: 10-33 s per heal at 4 ms steps)."""
-    from lightning_ft.coord.quorum import LocalView, steady_next
-
-    s = MemoryStore()
-    spec = JobSpec(3, 1, 5.0, {"job": "j"})
-    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=1))
-    b = Coordinator(s, "j", 2, 0, spec, MembershipSettings(lease_ttl_s=1))
-    j = Coordinator(s, "j", 1, 4, spec, MembershipSettings(lease_ttl_s=1))
-    try:
-        for c in (a, b):
-            c.register(0, synced=True)
-        for step in range(3):
-            qa, qb = _both(a, b, step, step)
-        stale = qa.round + 1
-        for _ in range(50):  # steady rounds, adopted by both, recorded by nobody
-            for c in (a, b):
-                c.adopt_steady(steady_next(c.current, LocalView(committed=True, changed=False, digest_due=False)))
-        j.register(0, synced=False)
-        assert j.membership.report.round == stale and j.membership.report.joining
+    with _joiner_after_unrecorded_steady_rounds(1) as (s, a, b, j, qa, stale):
         out: dict = {}
         tj = threading.Thread(target=lambda: out.__setitem__("j", j.quorum(0, timeout_s=5)))
         tj.start()
@@ -534,8 +544,6 @@ def test_a_joiner_is_taken_in_while_the_others_ran_steady_rounds_nobody_recorded
         assert qj.round == stale + 50
         assert s.get(keys.quorum(keys.root("/lft", "j"), stale)) is None  # it never decided the stale round
         assert not j.membership.report.joining
-    finally:
-        a.close(), b.close(), j.close(), s.close()
 
 
 def test_a_joiner_whose_fallback_comes_first_reports_for_the_round_the_others_report_for():
@@ -546,24 +554,7 @@ def test_a_joiner_whose_fallback_comes_first_reports_for_the_round_the_others_re
     it reports for theirs (round_log.passed) and that round takes it in."""
     from dataclasses import replace
 
-    from lightning_ft.coord.quorum import LocalView, steady_next
-
-    s = MemoryStore()
-    spec = JobSpec(3, 1, 5.0, {"job": "j"})
-    a = Coordinator(s, "j", 0, 0, spec, MembershipSettings(lease_ttl_s=0.5))
-    b = Coordinator(s, "j", 2, 0, spec, MembershipSettings(lease_ttl_s=0.5))
-    j = Coordinator(s, "j", 1, 4, spec, MembershipSettings(lease_ttl_s=0.5))
-    try:
-        for c in (a, b):
-            c.register(0, synced=True)
-        for step in range(3):
-            qa, qb = _both(a, b, step, step)
-        stale = qa.round + 1
-        for _ in range(50):
-            for c in (a, b):
-                c.adopt_steady(steady_next(c.current, LocalView(committed=True, changed=False, digest_due=False)))
-        j.register(0, synced=False)
-        assert j.membership.report.round == stale
+    with _joiner_after_unrecorded_steady_rounds(0.5) as (s, a, b, j, qa, stale):
         step, later = qa.max_step + 51, stale + 50
         for c in (a, b):  # they report for their next round, and do not decide it yet
             c.membership.publish(replace(c.membership.report, step=step, round=later))
@@ -571,8 +562,6 @@ def test_a_joiner_whose_fallback_comes_first_reports_for_the_round_the_others_re
         assert s.get(keys.quorum(keys.root("/lft", "j"), stale)) is None  # the passed round stays undecided
         assert qj.round == later and qj.members == (0, 1, 2) and qj.lagging == (1,), qj
         assert j.membership.report.round == later
-    finally:
-        a.close(), b.close(), j.close(), s.close()
 
 
 @pytest.mark.parametrize("name", ["lease_ttl_s", "hang_timeout_s", "poll_interval_s"])
