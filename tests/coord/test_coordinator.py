@@ -554,11 +554,11 @@ def test_a_joiner_whose_fallback_comes_first_reports_for_the_round_the_others_re
     it reports for theirs (round_log.passed) and that round takes it in."""
     from dataclasses import replace
 
-    with _joiner_after_unrecorded_steady_rounds(0.5) as (s, a, b, j, qa, stale):
+    with _joiner_after_unrecorded_steady_rounds(1) as (s, a, b, j, qa, stale):
         step, later = qa.max_step + 51, stale + 50
         for c in (a, b):  # they report for their next round, and do not decide it yet
             c.membership.publish(replace(c.membership.report, step=step, round=later))
-        qj = j.quorum(0, timeout_s=8)
+        qj = j.quorum(0, timeout_s=15)  # two fallbacks of 2 x TTL: the stale round's, then the later one's
         assert s.get(keys.quorum(keys.root("/lft", "j"), stale)) is None  # the passed round stays undecided
         assert qj.round == later and qj.members == (0, 1, 2) and qj.lagging == (1,), qj
         assert j.membership.report.round == later
