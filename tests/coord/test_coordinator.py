@@ -507,7 +507,7 @@ def _joiner_after_unrecorded_steady_rounds(ttl):
     from lightning_ft.coord.quorum import LocalView, steady_next
 
     s = MemoryStore()
-    spec = JobSpec(3, 1, 5.0, {"job": "j"})
+    spec = JobSpec(3, 1, 1.0, {"job": "j"})  # round 0 starts without r1 after 1 s (the calls time out at 5 s)
     a, b, j = (Coordinator(s, "j", rid, inc, spec, MembershipSettings(lease_ttl_s=ttl))
                for rid, inc in ((0, 0), (2, 0), (1, 4)))
     try:
